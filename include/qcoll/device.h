@@ -1,0 +1,29 @@
+// Where a kernel runs. The core never owns memory: callers pass pointers on this device
+// and, for CUDA, the stream (as an opaque handle) on which the work is ordered.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace qcoll {
+
+enum class DeviceKind : int32_t { kCPU = 0, kCUDA = 1 };
+
+struct Device {
+  DeviceKind kind = DeviceKind::kCPU;
+  int32_t index = 0;     // CUDA device ordinal
+  void* stream = nullptr;  // cudaStream_t for CUDA; nullptr = legacy default stream
+};
+
+// Built-in capabilities, reported by qcoll.build_info().
+bool cuda_compiled();
+std::vector<int> cuda_archs();  // SM versions the CUDA kernels were compiled for
+bool openmp_enabled();
+int openmp_max_threads();
+// Number of usable GPUs right now; 0 when CUDA is not compiled in or the driver reports
+// any error (no driver, no device, incompatible driver).
+int cuda_device_count();
+std::string cuda_runtime_version();  // "" without CUDA
+
+}  // namespace qcoll

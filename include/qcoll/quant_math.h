@@ -1,0 +1,302 @@
+// The arithmetic of block quantization, shared verbatim by the CPU and CUDA kernels so
+// that nearest rounding is bit-identical on both. Every multiply/add goes through mul()/
+// add() so that no compiler fuses them into an FMA (the CPU build also uses
+// -ffp-contract=off); divisions are IEEE-correct on both sides (no fast-math anywhere).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define QCOLL_HD __host__ __device__ __forceinline__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#else
+#define QCOLL_HD inline
+#endif
+
+namespace qcoll {
+namespace math {
+
+QCOLL_HD float mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+QCOLL_HD float add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+QCOLL_HD float sub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+QCOLL_HD float div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+QCOLL_HD bool is_finite(float x) {
+  // Exponent field all ones means Inf or NaN; written on bits so -ffinite-math-only or a
+  // vectorizer cannot fold it away.
+  uint32_t u;
+#if defined(__CUDA_ARCH__)
+  u = __float_as_uint(x);
+#else
+  std::memcpy(&u, &x, 4);
+#endif
+  return (u & 0x7f800000u) != 0x7f800000u;
+}
+
+QCOLL_HD float quiet_nan() {
+  uint32_t u = 0x7fc00000u;
+  float f;
+#if defined(__CUDA_ARCH__)
+  f = __uint_as_float(u);
+#else
+  std::memcpy(&f, &u, 4);
+#endif
+  return f;
+}
+
+// Round half to even for |v| < 2^22 (codes are at most 255 in magnitude). Adding and
+// subtracting 1.5 * 2^23 rounds in the FPU's default mode (nearest-even) on any ISA and
+// vectorizes with plain SSE2; on the GPU rintf is one instruction with the same result.
+QCOLL_HD float round_half_even(float v) {
+#if defined(__CUDA_ARCH__)
+  return rintf(v);
+#else
+  const float magic = 12582912.0f;  // 1.5 * 2^23
+  return (v + magic) - magic;  // not folded: the build never enables fast-math
+#endif
+}
+
+QCOLL_HD float floor_f(float v) {
+#if defined(__CUDA_ARCH__)
+  return floorf(v);
+#else
+  return __builtin_floorf(v);
+#endif
+}
+
+QCOLL_HD float clampf(float v, float lo, float hi) {
+  v = v < lo ? lo : v;  // two plain selects: the vectorizer turns each into max/min
+  return v > hi ? hi : v;
+}
+
+// ---- counter-based random numbers for stochastic rounding ---------------------------
+// The index-th output of SplitMix64 started from `key`: a pure function of (key, index),
+// so any partition of the tensor over threads, blocks or devices draws the same bits.
+QCOLL_HD uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// The key is derived from the user's seed once per call (host side).
+QCOLL_HD uint64_t rng_key(uint64_t seed) { return mix64(seed ^ 0x5851f42d4c957f2dull); }
+
+// Uniform in [0, 1) with 24 random bits (exact in fp32).
+QCOLL_HD float uniform01(uint64_t key, uint64_t index) {
+  const uint64_t z = mix64(key + (index + 1) * 0x9e3779b97f4a7c15ull);
+  return static_cast<float>(static_cast<uint32_t>(z >> 40)) * (1.0f / 16777216.0f);
+}
+
+// ---- per-group parameters --------------------------------------------------------------
+struct GroupParams {
+  float scale;   // 0 for an all-equal (e.g. all-zero) group, NaN for a non-finite group
+  float offset;  // asymmetric: group minimum (NaN for a non-finite group); symmetric: 0
+};
+
+QCOLL_HD float qmax_symmetric(int bits) { return bits == 8 ? 127.0f : 7.0f; }
+QCOLL_HD float levels_asymmetric(int bits) { return bits == 8 ? 255.0f : 15.0f; }
+
+// Statistics gathered over one group, on the float's bits so every reduction is an
+// integer max/min (exact, associative, vectorizable, the same on CPU and GPU):
+//  - absmax: |x| as bits (sign cleared); for non-negative floats the unsigned order of the
+//    bits is the numeric order, and any Inf or NaN lands at or above 0x7f800000.
+//  - lo/hi: "sortable" signed keys whose int32 order is the float order.
+struct GroupStats {
+  uint32_t abs_bits;
+  int32_t lo_key, hi_key;
+};
+
+QCOLL_HD uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+#endif
+}
+
+QCOLL_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+QCOLL_HD int32_t sortable_key(uint32_t u) {
+  return static_cast<int32_t>(u ^ (static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) & 0x7fffffffu));
+}
+
+QCOLL_HD float key_to_float(int32_t k) {
+  const uint32_t u = static_cast<uint32_t>(k);
+  return bits_float(u ^ (static_cast<uint32_t>(k >> 31) & 0x7fffffffu));
+}
+
+QCOLL_HD GroupStats stats_identity() { return GroupStats{0u, INT32_MAX, INT32_MIN}; }
+
+QCOLL_HD void stats_add(GroupStats& s, float x) {
+  const uint32_t u = float_bits(x);
+  const uint32_t a = u & 0x7fffffffu;
+  const int32_t k = sortable_key(u);
+  s.abs_bits = a > s.abs_bits ? a : s.abs_bits;
+  s.lo_key = k < s.lo_key ? k : s.lo_key;
+  s.hi_key = k > s.hi_key ? k : s.hi_key;
+}
+
+QCOLL_HD GroupStats stats_combine(GroupStats a, const GroupStats& b) {
+  a.abs_bits = b.abs_bits > a.abs_bits ? b.abs_bits : a.abs_bits;
+  a.lo_key = b.lo_key < a.lo_key ? b.lo_key : a.lo_key;
+  a.hi_key = b.hi_key > a.hi_key ? b.hi_key : a.hi_key;
+  return a;
+}
+
+QCOLL_HD bool stats_finite(const GroupStats& s) { return s.abs_bits < 0x7f800000u; }
+
+QCOLL_HD GroupParams group_params(const GroupStats& s, int bits, bool symmetric) {
+  if (!stats_finite(s)) return GroupParams{quiet_nan(), symmetric ? 0.0f : quiet_nan()};
+  if (symmetric) return GroupParams{div(bits_float(s.abs_bits), qmax_symmetric(bits)), 0.0f};
+  const float lo = key_to_float(s.lo_key);
+  // A range that overflows fp32 cannot be coded; the group is marked non-finite.
+  const float range = sub(key_to_float(s.hi_key), lo);
+  if (!is_finite(range)) return GroupParams{quiet_nan(), quiet_nan()};
+  return GroupParams{div(range, levels_asymmetric(bits)), lo};
+}
+
+// The integer code of x (as a float holding an integer), before packing, for a group whose
+// scale is > 0. `u` is the stochastic-rounding draw, ignored for nearest rounding.
+template <bool kSymmetric>
+QCOLL_HD float quantize_scaled(float x, const GroupParams& p, int bits, bool stochastic, float u) {
+  const float v = kSymmetric ? div(x, p.scale) : div(sub(x, p.offset), p.scale);
+  const float q = stochastic ? floor_f(add(v, u)) : round_half_even(v);
+  return kSymmetric ? clampf(q, -qmax_symmetric(bits), qmax_symmetric(bits))
+                    : clampf(q, 0.0f, levels_asymmetric(bits));
+}
+
+// Any group: scale == 0 (all-equal group, or absmax so tiny that scale underflows) and a
+// NaN scale (non-finite group) both code to 0; the scale carries the information.
+QCOLL_HD bool codes_are_zero(const GroupParams& p) { return !(p.scale > 0.0f); }
+
+QCOLL_HD float quantize_value(float x, const GroupParams& p, int bits, bool symmetric,
+                              bool stochastic, float u) {
+  if (codes_are_zero(p)) return 0.0f;
+  return symmetric ? quantize_scaled<true>(x, p, bits, stochastic, u)
+                   : quantize_scaled<false>(x, p, bits, stochastic, u);
+}
+
+QCOLL_HD float dequantize_value(int32_t code, const GroupParams& p, bool symmetric) {
+  const float y = mul(static_cast<float>(code), p.scale);
+  return symmetric ? y : add(y, p.offset);
+}
+
+// ---- packing -----------------------------------------------------------------------
+// Symmetric codes are stored two's complement (int8 byte, or 4-bit nibble); asymmetric
+// codes are stored unsigned.
+QCOLL_HD uint8_t code_to_bits(float q, int bits) {
+  const int32_t c = static_cast<int32_t>(q);
+  return bits == 8 ? static_cast<uint8_t>(c & 0xff) : static_cast<uint8_t>(c & 0x0f);
+}
+
+QCOLL_HD int32_t bits_to_code(uint8_t b, int bits, bool symmetric) {
+  if (bits == 8) return symmetric ? static_cast<int32_t>(static_cast<int8_t>(b)) : b;
+  const int32_t n = b & 0x0f;
+  return symmetric ? (n ^ 0x8) - 0x8 : n;  // sign-extend the nibble
+}
+
+// ---- dtype conversions (host side; device code uses the CUDA intrinsics, which round
+// the same way: nearest-even, NaN stays NaN) -------------------------------------------
+inline float bf16_bits_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff;  // canonical NaN, as CUDA returns
+  u += 0x7fffu + ((u >> 16) & 1u);                   // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0x1fu) {
+    u = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112u) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    u = sign;
+  } else {  // subnormal half: normalize
+    exp = 113u;
+    while ((mant & 0x400u) == 0) {
+      mant <<= 1;
+      --exp;
+    }
+    u = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_half_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7fff;                          // NaN (CUDA's canonical)
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to Inf
+  if (a >= 0x38800000u) {                                      // normal half
+    const uint32_t rounded = a + 0xfffu + ((a >> 13) & 1u) - (112u << 23);
+    return static_cast<uint16_t>(sign | (rounded >> 13));
+  }
+  if (a < 0x33000000u) return sign;  // below half the smallest subnormal: +-0
+  // Subnormal half: value = mant * 2^-24; shift the full significand, round to even.
+  const uint32_t e = a >> 23;
+  const uint32_t m = (a & 0x7fffffu) | 0x800000u;
+  const uint32_t shift = 126u - e;  // 14..24
+  const uint32_t q = m >> shift;
+  const uint32_t rem = m & ((1u << shift) - 1u);
+  const uint32_t halfway = 1u << (shift - 1u);
+  const uint32_t r = q + ((rem > halfway || (rem == halfway && (q & 1u))) ? 1u : 0u);
+  return static_cast<uint16_t>(sign | r);
+}
+
+}  // namespace math
+}  // namespace qcoll

@@ -1,0 +1,33 @@
+// Build-time capabilities and the CPU side of qcoll.build_info().
+#include "qcoll/device.h"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace qcoll {
+
+bool openmp_enabled() {
+#if defined(_OPENMP)
+  return true;
+#else
+  return false;
+#endif
+}
+
+int openmp_max_threads() {
+#if defined(_OPENMP)
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+#if !defined(QCOLL_WITH_CUDA)
+bool cuda_compiled() { return false; }
+std::vector<int> cuda_archs() { return {}; }
+int cuda_device_count() { return 0; }
+std::string cuda_runtime_version() { return ""; }
+#endif
+
+}  // namespace qcoll

@@ -1,0 +1,69 @@
+// Argument checks shared by every device, then dispatch to the CPU or CUDA kernels.
+#include "qcoll/kernels.h"
+
+#include "cpu/cpu_kernels.h"
+#include "qcoll/error.h"
+#if defined(QCOLL_WITH_CUDA)
+#include "cuda/cuda_kernels.h"
+#endif
+
+namespace qcoll {
+
+void validate(const QuantSpec& spec) {
+  QCOLL_ARG_CHECK(spec.bits == 4 || spec.bits == 8, "bits must be 4 or 8, got ", spec.bits);
+  QCOLL_ARG_CHECK(spec.group_size >= kGroupSizeMultiple && spec.group_size <= kMaxGroupSize &&
+                      spec.group_size % kGroupSizeMultiple == 0,
+                  "group_size must be a positive multiple of ", kGroupSizeMultiple, " up to ",
+                  kMaxGroupSize, ", got ", spec.group_size);
+  QCOLL_ARG_CHECK(spec.rounding == Rounding::kNearest || spec.rounding == Rounding::kStochastic,
+                  "rounding must be nearest (0) or stochastic (1), got ",
+                  static_cast<int>(spec.rounding));
+}
+
+namespace {
+
+void check_device(const Device& d) {
+  if (d.kind == DeviceKind::kCPU) return;
+  QCOLL_ARG_CHECK(d.kind == DeviceKind::kCUDA, "unknown device kind ", static_cast<int>(d.kind));
+  QCOLL_ARG_CHECK(cuda_compiled(),
+                  "a CUDA tensor was given but qcoll was built without CUDA kernels "
+                  "(rebuild where nvcc is found, or with QCOLL_CUDA=1)");
+  QCOLL_ARG_CHECK(d.index >= 0, "CUDA device index must be >= 0, got ", d.index);
+}
+
+}  // namespace
+
+void quantize(const QuantizeArgs& a) {
+  validate(a.spec);
+  QCOLL_ARG_CHECK(a.n >= 0, "numel must be >= 0, got ", a.n);
+  QCOLL_ARG_CHECK(dtype_valid(static_cast<int32_t>(a.dtype)), "input dtype must be float32, "
+                  "float16 or bfloat16 (code 0-2), got code ", static_cast<int>(a.dtype));
+  check_device(a.device);
+  if (a.n == 0) return;
+  QCOLL_ARG_CHECK(a.input && a.codes && a.scales, "quantize: null input, codes or scales pointer");
+  QCOLL_ARG_CHECK(a.spec.symmetric || a.offsets, "asymmetric quantize needs an offsets buffer");
+  if (a.device.kind == DeviceKind::kCPU) return cpu::quantize(a);
+#if defined(QCOLL_WITH_CUDA)
+  cuda::quantize(a);
+#endif
+}
+
+void dequantize(const DequantizeArgs& a) {
+  QuantSpec spec;
+  spec.bits = a.bits;
+  spec.group_size = a.group_size;
+  validate(spec);
+  QCOLL_ARG_CHECK(a.n >= 0, "numel must be >= 0, got ", a.n);
+  QCOLL_ARG_CHECK(dtype_valid(static_cast<int32_t>(a.dtype)), "output dtype must be float32, "
+                  "float16 or bfloat16 (code 0-2), got code ", static_cast<int>(a.dtype));
+  check_device(a.device);
+  if (a.n == 0) return;
+  QCOLL_ARG_CHECK(a.codes && a.scales && a.output, "dequantize: null codes, scales or output pointer");
+  QCOLL_ARG_CHECK(a.symmetric || a.offsets, "asymmetric dequantize needs the offsets");
+  if (a.device.kind == DeviceKind::kCPU) return cpu::dequantize(a);
+#if defined(QCOLL_WITH_CUDA)
+  cuda::dequantize(a);
+#endif
+}
+
+}  // namespace qcoll
