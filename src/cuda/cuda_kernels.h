@@ -1,0 +1,14 @@
+// CUDA implementations of the kernel interface. Work is enqueued on args.device.stream and
+// never synchronizes the host.
+#pragma once
+
+#include "qcoll/kernels.h"
+
+namespace qcoll {
+namespace cuda {
+
+void quantize(const QuantizeArgs& args);
+void dequantize(const DequantizeArgs& args);
+
+}  // namespace cuda
+}  // namespace qcoll

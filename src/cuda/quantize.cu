@@ -1,0 +1,518 @@
+// CUDA block quantize / dequantize, bit-identical to the CPU kernels: every value goes
+// through quant_math.h. The unit of work is a packet of 8 consecutive elements: one or two
+// 16-byte loads, one 8-byte (int8) or 4-byte (int4) code store. group_size is a multiple of
+// 8, so packets never straddle groups and only the tensor's last packet can be partial.
+//
+// quantize, group_size <= kChunk: a team of `lanes` threads per group (up to 32 lanes reduce
+//   with shuffles, 64..256 add a shared-memory step). Each lane keeps its (at most
+//   kPacketsPerLane) packets in registers, so the input is read from memory once.
+// quantize, larger groups: groups are cut into kChunk-element chunks, one block each, so a
+//   few huge groups still fill the GPU. Per-chunk statistics are merged with integer
+//   atomicMax into the scales/offsets buffers, a per-group kernel turns them into the
+//   parameters, then a second pass over the input writes the codes.
+// dequantize: one thread per packet, no reduction.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_kernels.h"
+#include "qcoll/quant_math.h"
+
+namespace qcoll {
+namespace cuda {
+namespace {
+
+using math::GroupParams;
+using math::GroupStats;
+
+constexpr int kThreads = 256;
+constexpr int kPacket = 8;          // elements per packet
+constexpr int kPacketsPerLane = 4;  // packets one lane holds in registers
+// Largest group one team holds in registers; also the chunk of the split path.
+constexpr int64_t kChunk = int64_t{kThreads} * kPacketsPerLane * kPacket;
+constexpr int64_t kMaxBlocks = int64_t{1} << 16;  // grid cap; kernels loop over the rest
+
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+__device__ __forceinline__ int packet_count(int64_t remaining) {
+  return static_cast<int>(min64(remaining, kPacket));
+}
+
+// ---- element types: fp32 <-> storage bits, nearest-even like the CPU's conversions ----
+// to_float reads the element from the low bits of its argument.
+struct Fp32 {
+  using Bits = uint32_t;
+  __device__ static float to_float(uint32_t b) { return __uint_as_float(b); }
+  __device__ static uint32_t from_float(float f) { return __float_as_uint(f); }
+};
+
+struct Bf16 {
+  using Bits = uint16_t;
+  __device__ static float to_float(uint32_t b) { return __uint_as_float(b << 16); }
+  __device__ static uint32_t from_float(float f) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
+  }
+};
+
+struct Fp16 {
+  using Bits = uint16_t;
+  __device__ static float to_float(uint32_t b) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+  }
+  __device__ static uint32_t from_float(float f) { return __half_as_ushort(__float2half_rn(f)); }
+};
+
+template <typename E>
+constexpr int kPerWord = 4 / sizeof(typename E::Bits);  // elements per 32-bit word
+template <typename E>
+constexpr int kVectors = sizeof(typename E::Bits) * kPacket / 16;  // uint4 per packet
+
+struct Packet {
+  float x[kPacket];
+};
+
+// `vec`: the base pointer is 16-byte aligned, hence so is every whole packet.
+template <typename E>
+__device__ __forceinline__ Packet load_packet(const typename E::Bits* src, int count, bool vec) {
+  Packet p;
+  if (vec && count == kPacket) {
+    const uint4* v = reinterpret_cast<const uint4*>(src);
+#pragma unroll
+    for (int i = 0; i < kVectors<E>; ++i) {
+      const uint4 u = v[i];
+      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int h = 0; h < kPerWord<E>; ++h)
+          p.x[(4 * i + k) * kPerWord<E> + h] = E::to_float(w[k] >> (16 * h));
+    }
+    return p;
+  }
+  // Unaligned or tail: element loads. Missing elements repeat element 0, which leaves the
+  // max/min statistics unchanged; their codes are never stored.
+#pragma unroll
+  for (int j = 0; j < kPacket; ++j) p.x[j] = E::to_float(src[j < count ? j : 0]);
+  return p;
+}
+
+template <typename E>
+__device__ __forceinline__ void store_packet(typename E::Bits* dst, int count, bool vec,
+                                             const Packet& p) {
+  if (vec && count == kPacket) {
+    uint4* v = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+    for (int i = 0; i < kVectors<E>; ++i) {
+      uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int h = 0; h < kPerWord<E>; ++h)
+          w[k] |= E::from_float(p.x[(4 * i + k) * kPerWord<E> + h]) << (16 * h);
+      v[i] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < kPacket; ++j)
+    if (j < count) dst[j] = static_cast<typename E::Bits>(E::from_float(p.x[j]));
+}
+
+// A packet's codes: element j at bit Bits * j (int4: element 2k in the low nibble of byte
+// k), Bits bytes in all. `vec`: the codes base is aligned to that size.
+template <int Bits>
+__device__ __forceinline__ void store_codes(uint8_t* dst, uint64_t codes, int count, bool vec) {
+  if (vec && count == kPacket) {
+    if constexpr (Bits == 8)
+      *reinterpret_cast<uint64_t*>(dst) = codes;
+    else
+      *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(codes);
+    return;
+  }
+  // Drop the padding elements' codes: an odd int4 tail keeps a zero high nibble.
+  if (count < kPacket) codes &= (uint64_t{1} << (count * Bits)) - 1;
+#pragma unroll
+  for (int b = 0; b < Bits; ++b)
+    if (8 * b < count * Bits) dst[b] = static_cast<uint8_t>(codes >> (8 * b));
+}
+
+template <int Bits>
+__device__ __forceinline__ uint64_t load_codes(const uint8_t* src, int count, bool vec) {
+  if (vec && count == kPacket) {
+    if constexpr (Bits == 8)
+      return *reinterpret_cast<const uint64_t*>(src);
+    else
+      return *reinterpret_cast<const uint32_t*>(src);
+  }
+  uint64_t codes = 0;
+#pragma unroll
+  for (int b = 0; b < Bits; ++b)
+    if (8 * b < count * Bits) codes |= static_cast<uint64_t>(src[b]) << (8 * b);
+  return codes;
+}
+
+// ---- per-packet arithmetic (quant_math.h), with the uniform flags as constants ----------
+template <int Bits, bool Symmetric, bool Stochastic>
+__device__ __forceinline__ uint64_t code_packet_as(const Packet& p, const GroupParams& params,
+                                                   uint64_t key, uint64_t index0) {
+  uint64_t codes = 0;
+#pragma unroll
+  for (int j = 0; j < kPacket; ++j) {
+    const float u = Stochastic ? math::uniform01(key, index0 + j) : 0.0f;
+    const float q = math::quantize_value(p.x[j], params, Bits, Symmetric, Stochastic, u);
+    codes |= static_cast<uint64_t>(math::code_to_bits(q, Bits)) << (Bits * j);
+  }
+  return codes;
+}
+
+// index0: the stochastic-rounding index of the packet's first element.
+template <int Bits>
+__device__ __forceinline__ uint64_t code_packet(const Packet& p, const GroupParams& params,
+                                                bool symmetric, bool stochastic, uint64_t key,
+                                                uint64_t index0) {
+  if (symmetric)
+    return stochastic ? code_packet_as<Bits, true, true>(p, params, key, index0)
+                      : code_packet_as<Bits, true, false>(p, params, key, index0);
+  return stochastic ? code_packet_as<Bits, false, true>(p, params, key, index0)
+                    : code_packet_as<Bits, false, false>(p, params, key, index0);
+}
+
+template <int Bits, bool Symmetric>
+__device__ __forceinline__ Packet decode_packet_as(uint64_t codes, const GroupParams& params) {
+  Packet p;
+#pragma unroll
+  for (int j = 0; j < kPacket; ++j) {
+    const uint8_t b = static_cast<uint8_t>(codes >> (Bits * j));
+    p.x[j] = math::dequantize_value(math::bits_to_code(b, Bits, Symmetric), params, Symmetric);
+  }
+  return p;
+}
+
+template <int Bits>
+__device__ __forceinline__ Packet decode_packet(uint64_t codes, const GroupParams& params,
+                                                bool symmetric) {
+  return symmetric ? decode_packet_as<Bits, true>(codes, params)
+                   : decode_packet_as<Bits, false>(codes, params);
+}
+
+__device__ __forceinline__ void add_packet(GroupStats& s, const Packet& p) {
+#pragma unroll
+  for (int j = 0; j < kPacket; ++j) math::stats_add(s, p.x[j]);
+}
+
+// ---- quantize ------------------------------------------------------------------------
+struct QuantParams {
+  const void* input;
+  uint8_t* codes;
+  float* scales;
+  float* offsets;
+  int64_t n;
+  int64_t group_size;
+  int64_t units;             // work items of one team: groups, or chunks (split path)
+  int64_t chunks_per_group;  // split path
+  uint64_t index_base;
+  uint64_t key;  // math::rng_key(seed)
+  int lanes;     // fused pass: threads per team, a power of two dividing kThreads
+  int bits;
+  bool symmetric;
+  bool stochastic;
+  bool vec_in;   // input 16-byte aligned
+  bool vec_out;  // codes aligned to a packet's code bytes
+};
+
+// kFused: whole groups, statistics to codes in one kernel. kStats / kCode: the two passes
+// over the chunks of large groups.
+enum class Pass { kFused, kStats, kCode };
+
+struct Unit {
+  int64_t group;
+  int64_t begin, end;  // element range; empty for a team past the end of the tensor
+};
+
+template <Pass P>
+__device__ __forceinline__ Unit unit_at(const QuantParams& q, int64_t u) {
+  const int64_t g = P == Pass::kFused ? u : u / q.chunks_per_group;
+  const int64_t group_begin = g * q.group_size;
+  const int64_t group_end = min64(group_begin + q.group_size, q.n);
+  if constexpr (P == Pass::kFused) {
+    return {g, group_begin, group_end};
+  } else {
+    const int64_t begin = group_begin + (u - g * q.chunks_per_group) * kChunk;
+    return {g, begin, min64(begin + kChunk, group_end)};
+  }
+}
+
+__device__ __forceinline__ GroupStats shfl_xor(const GroupStats& s, int mask) {
+  constexpr unsigned kAll = 0xffffffffu;
+  return {__shfl_xor_sync(kAll, s.abs_bits, mask), __shfl_xor_sync(kAll, s.lo_key, mask),
+          __shfl_xor_sync(kAll, s.hi_key, mask)};
+}
+
+// Combines the statistics of the `lanes` threads of each team (aligned runs of threads).
+// Every thread of the block must call it with the same `lanes`.
+__device__ __forceinline__ GroupStats team_reduce(GroupStats s, int lanes, GroupStats* partial) {
+  for (int mask = (lanes < 32 ? lanes : 32) / 2; mask > 0; mask /= 2)
+    s = math::stats_combine(s, shfl_xor(s, mask));
+  if (lanes <= 32) return s;
+  const int warp = threadIdx.x / 32;
+  const int warps = lanes / 32;
+  if (threadIdx.x % 32 == 0) partial[warp] = s;
+  __syncthreads();
+  const int first = warp / warps * warps;
+  s = partial[first];
+  for (int w = 1; w < warps; ++w) s = math::stats_combine(s, partial[first + w]);
+  __syncthreads();  // the next unit rewrites `partial`
+  return s;
+}
+
+__device__ __forceinline__ void write_params(const QuantParams& q, int64_t g,
+                                             const GroupParams& p) {
+  q.scales[g] = p.scale;
+  if (!q.symmetric) q.offsets[g] = p.offset;
+}
+
+__device__ __forceinline__ GroupParams read_params(const QuantParams& q, int64_t g) {
+  return {q.scales[g], q.symmetric ? 0.0f : q.offsets[g]};
+}
+
+// Split path: between the stats and finalize kernels, scales[g] and offsets[g] hold the
+// group's statistics as unsigned words, zeroed by cudaMemsetAsync and merged with
+// atomicMax. Symmetric: scales = abs_bits. Asymmetric: scales = hi_word(hi_key), offsets =
+// lo_word(lo_key); both maps are order-preserving (lo_word reversing) and map the identity
+// of stats_identity() to 0, and each is its own inverse.
+__device__ __forceinline__ uint32_t hi_word(uint32_t key) { return key ^ 0x80000000u; }
+__device__ __forceinline__ uint32_t lo_word(uint32_t key) { return key ^ 0x7fffffffu; }
+
+__device__ __forceinline__ void publish_stats(const QuantParams& q, int64_t g,
+                                              const GroupStats& s) {
+  unsigned int* scales = reinterpret_cast<unsigned int*>(q.scales);
+  if (q.symmetric) {
+    atomicMax(scales + g, s.abs_bits);
+    return;
+  }
+  atomicMax(scales + g, hi_word(static_cast<uint32_t>(s.hi_key)));
+  atomicMax(reinterpret_cast<unsigned int*>(q.offsets) + g,
+            lo_word(static_cast<uint32_t>(s.lo_key)));
+}
+
+__device__ __forceinline__ uint32_t magnitude_bits(int32_t key) {
+  return math::float_bits(math::key_to_float(key)) & 0x7fffffffu;
+}
+
+__device__ __forceinline__ GroupStats gathered_stats(const QuantParams& q, int64_t g) {
+  GroupStats s = math::stats_identity();
+  const uint32_t w = reinterpret_cast<const unsigned int*>(q.scales)[g];
+  if (q.symmetric) {  // group_params reads only abs_bits
+    s.abs_bits = w;
+    return s;
+  }
+  s.hi_key = static_cast<int32_t>(hi_word(w));
+  s.lo_key = static_cast<int32_t>(lo_word(reinterpret_cast<const unsigned int*>(q.offsets)[g]));
+  // Only two words per group: abs_bits is recovered exactly, since the sortable order puts
+  // the largest magnitude of either sign at an extreme (NaN payloads included).
+  const uint32_t lo = magnitude_bits(s.lo_key), hi = magnitude_bits(s.hi_key);
+  s.abs_bits = lo > hi ? lo : hi;
+  return s;
+}
+
+__global__ void __launch_bounds__(kThreads) finalize_kernel(const QuantParams q, int64_t groups) {
+  for (int64_t g = int64_t{blockIdx.x} * kThreads + threadIdx.x; g < groups;
+       g += int64_t{gridDim.x} * kThreads)
+    write_params(q, g, math::group_params(gathered_stats(q, g), q.bits, q.symmetric));
+}
+
+// At least 3 blocks per SM: enough loads in flight, and the register cache (32 floats per
+// lane) still fits without spills.
+template <typename E, int Bits, Pass P>
+__global__ void __launch_bounds__(kThreads, 3) quantize_kernel(const QuantParams q) {
+  __shared__ GroupStats partial[kThreads / 32];
+  const int lanes = P == Pass::kFused ? q.lanes : kThreads;
+  const int teams = kThreads / lanes;
+  const int lane = threadIdx.x % lanes;
+  const int team = threadIdx.x / lanes;
+  const auto* input = static_cast<const typename E::Bits*>(q.input);
+
+  // Block-uniform trip count: every thread reaches team_reduce's shuffles and barriers.
+  for (int64_t first = int64_t{blockIdx.x} * teams; first < q.units;
+       first += int64_t{gridDim.x} * teams) {
+    const Unit unit = unit_at<P>(q, first + team);
+    const bool leader = lane == 0 && unit.begin < unit.end;
+    // Lane packets are interleaved (packet lane + j * lanes) so a warp reads contiguously.
+    Packet cache[kPacketsPerLane];
+    GroupStats s = math::stats_identity();
+#pragma unroll
+    for (int j = 0; j < kPacketsPerLane; ++j) {
+      const int64_t e = unit.begin + int64_t{kPacket} * (lane + j * lanes);
+      if (e < unit.end) {
+        cache[j] = load_packet<E>(input + e, packet_count(unit.end - e), q.vec_in);
+        if constexpr (P != Pass::kCode) add_packet(s, cache[j]);
+      }
+    }
+
+    if constexpr (P == Pass::kStats) {
+      s = team_reduce(s, lanes, partial);
+      if (leader) publish_stats(q, unit.group, s);
+    } else {
+      GroupParams params{0.0f, 0.0f};
+      if constexpr (P == Pass::kFused) {
+        params = math::group_params(team_reduce(s, lanes, partial), Bits, q.symmetric);
+        if (leader) write_params(q, unit.group, params);
+      } else if (unit.begin < unit.end) {
+        params = read_params(q, unit.group);
+      }
+#pragma unroll
+      for (int j = 0; j < kPacketsPerLane; ++j) {
+        const int64_t e = unit.begin + int64_t{kPacket} * (lane + j * lanes);
+        if (e < unit.end) {
+          const uint64_t codes = code_packet<Bits>(cache[j], params, q.symmetric, q.stochastic,
+                                                   q.key, q.index_base + e);
+          store_codes<Bits>(q.codes + e * Bits / 8, codes, packet_count(unit.end - e),
+                            q.vec_out);
+        }
+      }
+    }
+  }
+}
+
+// ---- dequantize ----------------------------------------------------------------------
+struct DequantParams {
+  const uint8_t* codes;
+  const float* scales;
+  const float* offsets;
+  void* output;
+  int64_t n;
+  int64_t group_size;
+  bool symmetric;
+  bool vec_in;   // codes aligned to a packet's code bytes
+  bool vec_out;  // output 16-byte aligned
+};
+
+template <typename E, int Bits>
+__global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantParams d) {
+  auto* output = static_cast<typename E::Bits*>(d.output);
+  const int64_t packets = (d.n + kPacket - 1) / kPacket;
+  for (int64_t k = int64_t{blockIdx.x} * kThreads + threadIdx.x; k < packets;
+       k += int64_t{gridDim.x} * kThreads) {
+    const int64_t e = k * kPacket;
+    const int count = packet_count(d.n - e);
+    const int64_t g = e / d.group_size;
+    const GroupParams params{d.scales[g], d.symmetric ? 0.0f : d.offsets[g]};
+    const uint64_t codes = load_codes<Bits>(d.codes + e * Bits / 8, count, d.vec_in);
+    store_packet<E>(output + e, count, d.vec_out, decode_packet<Bits>(codes, params, d.symmetric));
+  }
+}
+
+// ---- host side -----------------------------------------------------------------------
+bool aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+unsigned grid_for(int64_t items, int64_t per_block) {
+  return static_cast<unsigned>(std::min((items + per_block - 1) / per_block, kMaxBlocks));
+}
+
+// Smallest power-of-two team that covers a group with kPacketsPerLane packets per lane.
+int team_lanes(int64_t group_size) {
+  const int64_t packets = group_size / kPacket;
+  int lanes = 1;
+  while (int64_t{lanes} * kPacketsPerLane < packets) lanes *= 2;
+  return lanes;
+}
+
+// Calls f(element type tag, std::integral_constant<int, bits>).
+template <typename F>
+void dispatch(DType dtype, int bits, F&& f) {
+  const auto with_bits = [&](auto elem) {
+    if (bits == 8)
+      f(elem, std::integral_constant<int, 8>{});
+    else
+      f(elem, std::integral_constant<int, 4>{});
+  };
+  switch (dtype) {
+    case DType::kFloat32: return with_bits(Fp32{});
+    case DType::kFloat16: return with_bits(Fp16{});
+    case DType::kBFloat16: return with_bits(Bf16{});
+  }
+}
+
+template <typename E, int Bits>
+void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
+  const QuantSpec& spec = a.spec;
+  QuantParams q{};
+  q.input = a.input;
+  q.codes = a.codes;
+  q.scales = a.scales;
+  q.offsets = a.offsets;
+  q.n = a.n;
+  q.group_size = spec.group_size;
+  q.index_base = a.index_base;
+  q.key = math::rng_key(spec.seed);
+  q.bits = Bits;
+  q.symmetric = spec.symmetric;
+  q.stochastic = spec.rounding == Rounding::kStochastic;
+  q.vec_in = aligned(a.input, 16);
+  q.vec_out = aligned(a.codes, Bits);  // a packet has Bits bytes of codes
+  const int64_t groups = num_groups(a.n, spec.group_size);
+
+  if (spec.group_size <= kChunk) {
+    q.lanes = team_lanes(spec.group_size);
+    q.units = groups;
+    quantize_kernel<E, Bits, Pass::kFused>
+        <<<grid_for(groups, kThreads / q.lanes), kThreads, 0, stream>>>(q);
+    QCOLL_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+
+  q.chunks_per_group = (spec.group_size + kChunk - 1) / kChunk;
+  q.units = groups * q.chunks_per_group;
+  const size_t param_bytes = static_cast<size_t>(groups) * sizeof(float);
+  QCOLL_CUDA_CHECK(cudaMemsetAsync(a.scales, 0, param_bytes, stream));
+  if (!spec.symmetric) QCOLL_CUDA_CHECK(cudaMemsetAsync(a.offsets, 0, param_bytes, stream));
+  quantize_kernel<E, Bits, Pass::kStats><<<grid_for(q.units, 1), kThreads, 0, stream>>>(q);
+  QCOLL_CUDA_CHECK(cudaGetLastError());
+  finalize_kernel<<<grid_for(groups, kThreads), kThreads, 0, stream>>>(q, groups);
+  QCOLL_CUDA_CHECK(cudaGetLastError());
+  quantize_kernel<E, Bits, Pass::kCode><<<grid_for(q.units, 1), kThreads, 0, stream>>>(q);
+  QCOLL_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename E, int Bits>
+void launch_dequantize(const DequantizeArgs& a, cudaStream_t stream) {
+  DequantParams d{};
+  d.codes = a.codes;
+  d.scales = a.scales;
+  d.offsets = a.offsets;
+  d.output = a.output;
+  d.n = a.n;
+  d.group_size = a.group_size;
+  d.symmetric = a.symmetric;
+  d.vec_in = aligned(a.codes, Bits);
+  d.vec_out = aligned(a.output, 16);
+  const int64_t packets = (a.n + kPacket - 1) / kPacket;
+  dequantize_kernel<E, Bits><<<grid_for(packets, kThreads), kThreads, 0, stream>>>(d);
+  QCOLL_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace
+
+void quantize(const QuantizeArgs& args) {
+  DeviceGuard guard(args.device.index);
+  const auto stream = static_cast<cudaStream_t>(args.device.stream);
+  dispatch(args.dtype, args.spec.bits, [&](auto elem, auto bits) {
+    launch_quantize<decltype(elem), decltype(bits)::value>(args, stream);
+  });
+}
+
+void dequantize(const DequantizeArgs& args) {
+  DeviceGuard guard(args.device.index);
+  const auto stream = static_cast<cudaStream_t>(args.device.stream);
+  dispatch(args.dtype, args.bits, [&](auto elem, auto bits) {
+    launch_dequantize<decltype(elem), decltype(bits)::value>(args, stream);
+  });
+}
+
+}  // namespace cuda
+}  // namespace qcoll
