@@ -1,0 +1,24 @@
+"""Where a tensor lives, as the core's (kind, index, stream) triple."""
+
+import torch
+
+from .info import _static_info
+
+CPU, CUDA = 0, 1
+
+
+def device_args(t: torch.Tensor, what: str) -> tuple:
+    """(device_kind, device_index, stream handle) for a kernel call on `t`'s device.
+
+    CUDA work is ordered on the caller's current stream, as torch's own ops are.
+    """
+    if t.device.type == "cpu":
+        return CPU, 0, 0
+    if t.device.type == "cuda":
+        if not _static_info()["cuda"]:
+            raise ValueError(
+                f"{what} is a CUDA tensor but qcoll was built without CUDA kernels; "
+                "rebuild where nvcc is found (or with QCOLL_CUDA=1), or pass a CPU tensor"
+            )
+        return CUDA, t.device.index, torch.cuda.current_stream(t.device).cuda_stream
+    raise ValueError(f"{what} must be on a cpu or cuda device, got {t.device}")

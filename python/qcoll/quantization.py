@@ -1,0 +1,211 @@
+"""Block quantization of tensors: qcoll.quantize / qcoll.dequantize.
+
+Groups are consecutive runs of ``group_size`` elements of ``x.reshape(-1)``; each group
+gets one float32 scale (and, asymmetric, one float32 offset = the group minimum).
+The byte layout is described in include/qcoll/quant_spec.h.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from . import _C
+from ._device import device_args
+from ._dtypes import dtype_code
+
+# Chosen from the error/overhead table in README.md ("Choosing the default group size").
+DEFAULT_GROUP_SIZE = 256
+GROUP_SIZE_MULTIPLE = _C.GROUP_SIZE_MULTIPLE
+MAX_GROUP_SIZE = _C.MAX_GROUP_SIZE
+ROUNDING_MODES = {"nearest": 0, "stochastic": 1}
+_SEED_LIMIT = 1 << 64
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+    """A block-quantized tensor.
+
+    data:     uint8 codes, ceil(numel * bits / 8) bytes (int4: element 2k in the low nibble).
+    scales:   float32, one per group.
+    offsets:  float32 group minima (asymmetric), or None (symmetric).
+    shape, dtype: the original tensor's.
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    offsets: Optional[torch.Tensor]
+    shape: torch.Size
+    dtype: torch.dtype
+    bits: int
+    group_size: int
+
+    def __post_init__(self):
+        # A hand-built tensor may give the shape as a tuple or list.
+        if not isinstance(self.shape, torch.Size):
+            object.__setattr__(self, "shape", torch.Size(self.shape))
+
+    @property
+    def symmetric(self) -> bool:
+        return self.offsets is None
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes + scales (+ offsets): what a transfer of this tensor costs."""
+        extra = 0 if self.offsets is None else self.offsets.numel() * 4
+        return self.data.numel() + self.scales.numel() * 4 + extra
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+
+def num_groups(numel: int, group_size: int) -> int:
+    return -(-numel // group_size)
+
+
+def code_bytes(numel: int, bits: int) -> int:
+    return -(-numel * bits // 8)
+
+
+def check_bits(bits, name: str = "bits") -> int:
+    if isinstance(bits, bool) or bits not in (4, 8):
+        raise ValueError(f"{name} must be 4 or 8, got {bits!r}")
+    return int(bits)
+
+
+def check_group_size(group_size, name: str = "group_size") -> int:
+    if group_size is None:
+        return DEFAULT_GROUP_SIZE
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, int)
+        or group_size <= 0
+        or group_size % GROUP_SIZE_MULTIPLE
+        or group_size > MAX_GROUP_SIZE
+    ):
+        raise ValueError(
+            f"{name} must be a positive multiple of {GROUP_SIZE_MULTIPLE} up to "
+            f"{MAX_GROUP_SIZE} (or None for the default {DEFAULT_GROUP_SIZE}), got {group_size!r}"
+        )
+    return group_size
+
+
+def _check_rounding(rounding) -> int:
+    if not isinstance(rounding, str) or rounding not in ROUNDING_MODES:
+        raise ValueError(f"rounding must be one of {sorted(ROUNDING_MODES)}, got {rounding!r}")
+    return ROUNDING_MODES[rounding]
+
+
+def _check_seed(seed, stochastic: bool) -> int:
+    if seed is None:
+        # Drawn from torch's default generator, so torch.manual_seed governs it.
+        return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64)) if stochastic else 0
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _SEED_LIMIT:
+        raise ValueError(f"seed must be None or an int in [0, 2**64), got {seed!r}")
+    return seed
+
+
+def quantize(
+    x: torch.Tensor,
+    *,
+    bits: int = 8,
+    group_size: Optional[int] = None,
+    symmetric: bool = True,
+    rounding: str = "nearest",
+    seed: Optional[int] = None,
+) -> QuantizedTensor:
+    """Block-quantize ``x`` (float32/float16/bfloat16, CPU or CUDA, any shape and strides).
+
+    Symmetric: scale = absmax / (2**(bits-1) - 1), codes in [-qmax, qmax].
+    Asymmetric: scale = (max - min) / (2**bits - 1), offset = min, codes in [0, 2**bits - 1].
+    Either way |x - dequantize(quantize(x))| <= scale / 2 per element (up to fp32 rounding).
+    An all-zero group gets scale 0; a group holding NaN or Inf gets a NaN scale, so all of
+    its elements dequantize to NaN. ``rounding="stochastic"`` is unbiased and reproducible:
+    element i's draw depends only on (seed, i), on CPU and CUDA alike.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    code = dtype_code(x.dtype, "x")
+    bits = check_bits(bits)
+    group_size = check_group_size(group_size)
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric must be a bool, got {symmetric!r}")
+    rounding_code = _check_rounding(rounding)
+    seed = _check_seed(seed, stochastic=rounding_code == ROUNDING_MODES["stochastic"])
+    kind, index, stream = device_args(x, "x")
+
+    flat = x.contiguous().view(-1)  # logical row-major order, whatever x's strides
+    n = flat.numel()
+    groups = num_groups(n, group_size)
+    data = torch.empty(code_bytes(n, bits), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(groups, dtype=torch.float32, device=x.device)
+    offsets = None if symmetric else torch.empty(groups, dtype=torch.float32, device=x.device)
+    _C.quantize(
+        flat.data_ptr(), code, n, bits, group_size, symmetric, rounding_code, seed, 0,
+        data.data_ptr(), scales.data_ptr(), 0 if offsets is None else offsets.data_ptr(),
+        kind, index, stream,
+    )
+    return QuantizedTensor(data, scales, offsets, x.shape, x.dtype, bits, group_size)
+
+
+def _check_quantized(q: QuantizedTensor) -> None:
+    """A hand-built QuantizedTensor must describe buffers large enough for the kernel."""
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"q must be a qcoll.QuantizedTensor, got {type(q).__name__}")
+    check_bits(q.bits, "q.bits")
+    check_group_size(q.group_size, "q.group_size")
+    n = q.numel
+    expect = {"q.data": (q.data, torch.uint8, code_bytes(n, q.bits)),
+              "q.scales": (q.scales, torch.float32, num_groups(n, q.group_size))}
+    if q.offsets is not None:
+        expect["q.offsets"] = (q.offsets, torch.float32, num_groups(n, q.group_size))
+    for name, (t, dtype, count) in expect.items():
+        if t.dtype != dtype or t.numel() != count or not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous {dtype} tensor of {count} elements for shape "
+                f"{tuple(q.shape)}, got {t.dtype} with {t.numel()} elements"
+            )
+        if t.device != q.data.device:
+            raise ValueError(f"{name} is on {t.device} but q.data is on {q.data.device}")
+
+
+def dequantize(
+    q: QuantizedTensor,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Back to floating point: a tensor of q's shape in ``dtype`` (default: q.dtype).
+
+    With ``out`` (contiguous, q.numel elements, on q's device) the result is written there
+    and ``out`` is returned; its dtype is the output dtype.
+    """
+    _check_quantized(q)
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if dtype is None:
+        dtype = out.dtype if out is not None else q.dtype
+    code = dtype_code(dtype, "dtype")
+    if out is None:
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    else:
+        if out.dtype != dtype:
+            raise ValueError(f"out has dtype {out.dtype} but dtype={dtype} was requested")
+        if out.numel() != q.numel or not out.is_contiguous() or out.device != q.device:
+            raise ValueError(
+                f"out must be a contiguous tensor of {q.numel} elements on {q.device}, got "
+                f"{out.numel()} elements on {out.device} (contiguous={out.is_contiguous()})"
+            )
+    kind, index, stream = device_args(out, "out")
+    _C.dequantize(
+        q.data.data_ptr(), q.scales.data_ptr(), 0 if q.offsets is None else q.offsets.data_ptr(),
+        q.numel, q.bits, q.group_size, q.symmetric, out.data_ptr(), code, kind, index, stream,
+    )
+    return out
