@@ -1,0 +1,51 @@
+"""`group_size` suite: the error / overhead trade-off behind qcoll.DEFAULT_GROUP_SIZE.
+
+For each group size: relative RMS error and max error (in units of the tensor's RMS) of an
+int8 and int4 round trip on two inputs (Gaussian, and Gaussian with 0.1% outliers of 50x,
+the shape of real gradients), and the scale overhead in bytes per element."""
+
+from __future__ import annotations
+
+import torch
+
+import qcoll
+
+GROUP_SIZES = [32, 64, 128, 256, 512, 1024, 4096]
+
+
+def _inputs(n: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    gauss = torch.randn(n, generator=g)
+    spiky = gauss.clone()
+    idx = torch.randint(0, n, (n // 1000,), generator=g)
+    spiky[idx] *= 50
+    return {"gaussian": gauss, "outliers": spiky}
+
+
+def run(quick: bool, progress) -> dict:
+    n = (1 << 20) if quick else (1 << 24)
+    inputs = _inputs(n)
+    rows = []
+    task = progress.add_task("group sizes", total=len(GROUP_SIZES))
+    for gs in GROUP_SIZES:
+        for bits in (8, 4):
+            for name, x in inputs.items():
+                y = qcoll.dequantize(qcoll.quantize(x, bits=bits, group_size=gs))
+                err = (y - x).float()
+                rms = x.pow(2).mean().sqrt()
+                rows.append(dict(group_size=gs, bits=bits, input=name,
+                                 rel_rms_error=(err.pow(2).mean().sqrt() / rms).item(),
+                                 overhead=4 * 8 / (gs * bits)))  # scale bits per code bit
+        progress.advance(task)
+    return {"rows": rows, "numel": n}
+
+
+def table(result: dict) -> list:
+    lines = [f"{'group':>6} {'bits':>4} {'overhead':>9} {'gaussian':>10} {'outliers':>10}   (relative RMS error)"]
+    by_key = {}
+    for r in result["rows"]:
+        by_key.setdefault((r["group_size"], r["bits"]), {})[r["input"]] = r
+    for (gs, bits), d in by_key.items():
+        lines.append(f"{gs:6d} {bits:4d} {d['gaussian']['overhead']:9.2%} "
+                     f"{d['gaussian']['rel_rms_error']:10.2e} {d['outliers']['rel_rms_error']:10.2e}")
+    return lines

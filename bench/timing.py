@@ -1,0 +1,58 @@
+"""Timing helpers shared by every benchmark suite: warm-up, median of repeats, device
+events on CUDA, and buffer rotation so that caches do not flatter the numbers."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+# Rotate through this many bytes of inputs per timed call: larger than any LLC/L2 here.
+ROTATE_BYTES = 256 << 20
+
+
+def copies_for(nbytes: int) -> int:
+    """How many distinct input buffers to rotate through for a kernel reading nbytes."""
+    return max(1, min(16, ROTATE_BYTES // max(nbytes, 1)))
+
+
+def median_seconds(fn: Callable[[int], None], device: torch.device, *, warmup: int = 3,
+                   repeats: int = 15, rotate: int = 1) -> float:
+    """Median wall time of fn(i) (i picks the rotated buffer) over `repeats` calls."""
+    for i in range(warmup):
+        fn(i % rotate)
+    times = []
+    if device.type == "cuda":
+        for i in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(i % rotate)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            fn(i % rotate)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def size_ladder(lo: int, hi: int, quick: bool) -> Sequence[int]:
+    """Byte sizes from lo to hi, x4 apart (x16 with --quick)."""
+    step = 16 if quick else 4
+    sizes, s = [], lo
+    while s <= hi:
+        sizes.append(s)
+        s *= step
+    return sizes
