@@ -8,10 +8,16 @@
 #include "qcoll/dtype.h"
 #include "qcoll/quant_math.h"
 
+// GCC >= 12 on x86-64 has a native half type: hardware conversions (F16C, AVX-512) in the
+// wider clones, libgcc's exact software conversion otherwise.
+#if defined(__x86_64__) && defined(__FLT16_MAX__) && !defined(__clang__)
+#define QCOLL_HAS_FLOAT16 1
+#endif
+
 namespace qcoll {
 namespace cpu {
 
-inline void load_as_float(const void* src, DType t, int64_t n, float* dst) {
+inline __attribute__((always_inline)) void load_as_float(const void* src, DType t, int64_t n, float* dst) {
   switch (t) {
     case DType::kFloat32:
       std::memcpy(dst, src, static_cast<size_t>(n) * 4);
@@ -23,14 +29,19 @@ inline void load_as_float(const void* src, DType t, int64_t n, float* dst) {
       return;
     }
     case DType::kFloat16: {
+#if defined(QCOLL_HAS_FLOAT16)
+      const _Float16* s = static_cast<const _Float16*>(src);  // F16C where the ISA has it
+      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
+#else
       const uint16_t* s = static_cast<const uint16_t*>(src);
       for (int64_t i = 0; i < n; ++i) dst[i] = math::half_bits_to_float(s[i]);
+#endif
       return;
     }
   }
 }
 
-inline void store_from_float(const float* src, DType t, int64_t n, void* dst) {
+inline __attribute__((always_inline)) void store_from_float(const float* src, DType t, int64_t n, void* dst) {
   switch (t) {
     case DType::kFloat32:
       std::memcpy(dst, src, static_cast<size_t>(n) * 4);
@@ -41,8 +52,13 @@ inline void store_from_float(const float* src, DType t, int64_t n, void* dst) {
       return;
     }
     case DType::kFloat16: {
+#if defined(QCOLL_HAS_FLOAT16)
+      _Float16* d = static_cast<_Float16*>(dst);  // rounds to nearest even, like CUDA
+      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<_Float16>(src[i]);
+#else
       uint16_t* d = static_cast<uint16_t*>(dst);
       for (int64_t i = 0; i < n; ++i) d[i] = math::float_to_half_bits(src[i]);
+#endif
       return;
     }
   }

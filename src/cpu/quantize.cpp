@@ -1,9 +1,14 @@
 // CPU block quantize / dequantize. Each group is processed in chunks of kChunk elements
-// converted to fp32 in a stack buffer: pass 1 gathers the group's statistics, pass 2 codes
-// it. Groups are independent, so OpenMP splits the tensor by groups.
+// (converted to fp32 in a stack buffer unless already fp32): pass 1 gathers the group's
+// statistics, pass 2 codes it. Groups are independent, so OpenMP gives each thread one
+// contiguous range of groups.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 #include "cpu/convert.h"
 #include "cpu/cpu_kernels.h"
@@ -13,34 +18,30 @@ namespace qcoll {
 namespace cpu {
 namespace {
 
-// Hot loops are compiled for AVX-512 and AVX2 as well and picked at load time; every
-// variant does the same IEEE operations (no FMA), so results stay bit-identical.
+// The per-range drivers are compiled for x86-64-v4 (AVX-512) and v3 (AVX2, F16C) as well
+// and picked at load time; the per-group helpers are forced inline into them so every
+// loop gets the wider ISA without a call per group. Every variant does the same IEEE
+// operations (no FMA: -ffp-contract=off), so results stay bit-identical.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define QCOLL_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define QCOLL_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define QCOLL_CPU_CLONES
 #endif
+#define QCOLL_INLINE inline __attribute__((always_inline))
 
 constexpr int64_t kChunk = 1024;  // multiple of 8, so int4 chunks start on whole bytes
 // Below this many elements a call runs on one thread: a parallel region costs more.
 constexpr int64_t kParallelThreshold = 1 << 15;
 
-QCOLL_CPU_CLONES
-void load_chunk(const char* src, DType t, int64_t m, float* buf) { load_as_float(src, t, m, buf); }
-
-QCOLL_CPU_CLONES
-void store_chunk(const float* buf, DType t, int64_t m, char* dst) { store_from_float(buf, t, m, dst); }
-
 // Points at `m` fp32 values of `src`: the source itself for fp32, else `buf` converted.
-const float* as_float(const char* src, DType t, int64_t m, float* buf) {
+QCOLL_INLINE const float* as_float(const char* src, DType t, int64_t m, float* buf) {
   if (t == DType::kFloat32) return reinterpret_cast<const float*>(src);
-  load_chunk(src, t, m, buf);
+  load_as_float(src, t, m, buf);
   return buf;
 }
 
 // Integer max/min reductions on the float bits (see quant_math.h); they vectorize.
-QCOLL_CPU_CLONES
-void accumulate_stats(const float* x, int64_t m, bool symmetric, math::GroupStats& s) {
+QCOLL_INLINE void accumulate_stats(const float* x, int64_t m, bool symmetric, math::GroupStats& s) {
   const uint32_t* u = reinterpret_cast<const uint32_t*>(x);
   uint32_t abs_bits = s.abs_bits;
   if (symmetric) {
@@ -67,7 +68,7 @@ void accumulate_stats(const float* x, int64_t m, bool symmetric, math::GroupStat
 // Nearest-rounded codes of m values straight into packed bytes; branch-free so it
 // vectorizes (the group's scale is > 0 here).
 template <bool kSym, int kBits>
-void code_nearest(const float* x, int64_t m, const math::GroupParams& p, uint8_t* out) {
+QCOLL_INLINE void code_nearest(const float* x, int64_t m, const math::GroupParams& p, uint8_t* out) {
   const math::GroupParams params = p;  // a local copy: byte stores cannot alias it
   auto code = [params](float v) {
     return math::code_to_bits(math::quantize_scaled<kSym>(v, params, kBits, false, 0.0f), kBits);
@@ -94,8 +95,7 @@ void code_stochastic(const float* x, int64_t m, const math::GroupParams& p, cons
   }
 }
 
-QCOLL_CPU_CLONES
-void code_chunk(const float* x, int64_t m, const math::GroupParams& p, const QuantSpec& spec,
+QCOLL_INLINE void code_chunk(const float* x, int64_t m, const math::GroupParams& p, const QuantSpec& spec,
                 uint64_t key, uint64_t index0, uint8_t* out) {
   if (math::codes_are_zero(p)) {
     std::memset(out, 0, static_cast<size_t>(code_bytes(m, spec.bits)));
@@ -108,7 +108,7 @@ void code_chunk(const float* x, int64_t m, const math::GroupParams& p, const Qua
   }
 }
 
-void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key) {
+QCOLL_INLINE void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key) {
   alignas(64) float buf[kChunk];
   const QuantSpec& spec = a.spec;
   const size_t esize = dtype_size(a.dtype);
@@ -134,8 +134,7 @@ void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key) {
 }
 
 // Values of m codes into fp32 (the output buffer itself when the output is fp32).
-QCOLL_CPU_CLONES
-void decode_chunk(const uint8_t* in, int64_t m, const math::GroupParams& p, int bits, bool sym,
+QCOLL_INLINE void decode_chunk(const uint8_t* in, int64_t m, const math::GroupParams& p, int bits, bool sym,
                   float* out) {
   if (bits == 8) {
     for (int64_t i = 0; i < m; ++i)
@@ -150,7 +149,7 @@ void decode_chunk(const uint8_t* in, int64_t m, const math::GroupParams& p, int 
   if (m & 1) out[m - 1] = math::dequantize_value(math::bits_to_code(in[pairs], 4, sym), p, sym);
 }
 
-void dequantize_group(const DequantizeArgs& a, int64_t g) {
+QCOLL_INLINE void dequantize_group(const DequantizeArgs& a, int64_t g) {
   alignas(64) float buf[kChunk];
   const size_t esize = dtype_size(a.dtype);
   const int64_t begin = g * a.group_size;
@@ -165,24 +164,48 @@ void dequantize_group(const DequantizeArgs& a, int64_t g) {
       decode_chunk(in, m, p, a.bits, a.symmetric, reinterpret_cast<float*>(dst + c * esize));
     } else {
       decode_chunk(in, m, p, a.bits, a.symmetric, buf);
-      store_chunk(buf, a.dtype, m, dst + c * esize);
+      store_from_float(buf, a.dtype, m, dst + c * esize);
     }
+  }
+}
+
+QCOLL_CPU_CLONES
+void quantize_groups(const QuantizeArgs& a, int64_t g0, int64_t g1, uint64_t key) {
+  for (int64_t g = g0; g < g1; ++g) quantize_group(a, g, key);
+}
+
+QCOLL_CPU_CLONES
+void dequantize_groups(const DequantizeArgs& a, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) dequantize_group(a, g);
+}
+
+// Runs body(g0, g1) over contiguous ranges of [0, groups), one per OpenMP thread.
+template <typename Body>
+void for_group_ranges(int64_t groups, bool parallel, Body body) {
+#pragma omp parallel if (parallel)
+  {
+    int64_t t = 0, nt = 1;
+#if defined(_OPENMP)
+    t = omp_get_thread_num();
+    nt = omp_get_num_threads();
+#endif
+    const int64_t per = (groups + nt - 1) / nt;
+    const int64_t g0 = std::min(groups, t * per);
+    body(g0, std::min(groups, g0 + per));
   }
 }
 
 }  // namespace
 
 void quantize(const QuantizeArgs& a) {
-  const int64_t groups = num_groups(a.n, a.spec.group_size);
   const uint64_t key = math::rng_key(a.spec.seed);
-#pragma omp parallel for schedule(static) if (a.n >= kParallelThreshold)
-  for (int64_t g = 0; g < groups; ++g) quantize_group(a, g, key);
+  for_group_ranges(num_groups(a.n, a.spec.group_size), a.n >= kParallelThreshold,
+                   [&](int64_t g0, int64_t g1) { quantize_groups(a, g0, g1, key); });
 }
 
 void dequantize(const DequantizeArgs& a) {
-  const int64_t groups = num_groups(a.n, a.group_size);
-#pragma omp parallel for schedule(static) if (a.n >= kParallelThreshold)
-  for (int64_t g = 0; g < groups; ++g) dequantize_group(a, g);
+  for_group_ranges(num_groups(a.n, a.group_size), a.n >= kParallelThreshold,
+                   [&](int64_t g0, int64_t g1) { dequantize_groups(a, g0, g1); });
 }
 
 }  // namespace cpu
