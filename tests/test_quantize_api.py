@@ -338,3 +338,37 @@ def test_hand_built_quantized_tensor_accepted(x):
 def test_dequantize_rejects_non_quantized():
     with pytest.raises(TypeError, match=r"q must be a qcoll.QuantizedTensor, got Tensor"):
         qcoll.dequantize(torch.zeros(4))
+
+
+# ---- quantize(out=...) reuses buffers -------------------------------------------------
+
+
+def test_quantize_out_reuses_buffers_and_matches_fresh():
+    x = torch.randn(1000, 3)
+    y = torch.randn(1000, 3) * 5
+    q = qcoll.quantize(x, bits=4, group_size=64)
+    ptr = q.data.data_ptr()
+    r = qcoll.quantize(y, bits=4, group_size=64, out=q)
+    fresh = qcoll.quantize(y, bits=4, group_size=64)
+    assert r.data.data_ptr() == ptr
+    assert torch.equal(r.data, fresh.data) and torch.equal(r.scales, fresh.scales)
+    assert r.shape == y.shape and r.dtype == y.dtype
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(bits=8), "out must match"),
+        (dict(bits=4, group_size=128), "out must match"),
+        (dict(bits=4, symmetric=False), "out must match"),
+    ],
+)
+def test_quantize_out_mismatch_is_rejected(kwargs, match):
+    q = qcoll.quantize(torch.randn(1000), bits=4, group_size=64)
+    kwargs.setdefault("group_size", 64)
+    with pytest.raises(ValueError, match=match):
+        qcoll.quantize(torch.randn(1000), out=q, **kwargs)
+    with pytest.raises(ValueError, match="out must match"):
+        qcoll.quantize(torch.randn(999), bits=4, group_size=64, out=q)
+    with pytest.raises(TypeError, match="out must be a qcoll.QuantizedTensor"):
+        qcoll.quantize(torch.randn(1000), bits=4, group_size=64, out=torch.zeros(3))

@@ -120,6 +120,7 @@ def quantize(
     symmetric: bool = True,
     rounding: str = "nearest",
     seed: Optional[int] = None,
+    out: Optional[QuantizedTensor] = None,
 ) -> QuantizedTensor:
     """Block-quantize ``x`` (float32/float16/bfloat16, CPU or CUDA, any shape and strides).
 
@@ -129,6 +130,10 @@ def quantize(
     An all-zero group gets scale 0; a group holding NaN or Inf gets a NaN scale, so all of
     its elements dequantize to NaN. ``rounding="stochastic"`` is unbiased and reproducible:
     element i's draw depends only on (seed, i), on CPU and CUDA alike.
+
+    ``out``: a QuantizedTensor whose buffers are reused (same numel, bits, group_size,
+    symmetry and device), which saves the allocation (and, for large CPU tensors, the page
+    faults of fresh memory) on repeated calls. The result shares them.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -143,10 +148,14 @@ def quantize(
 
     flat = x.contiguous().view(-1)  # logical row-major order, whatever x's strides
     n = flat.numel()
-    groups = num_groups(n, group_size)
-    data = torch.empty(code_bytes(n, bits), dtype=torch.uint8, device=x.device)
-    scales = torch.empty(groups, dtype=torch.float32, device=x.device)
-    offsets = None if symmetric else torch.empty(groups, dtype=torch.float32, device=x.device)
+    if out is None:
+        groups = num_groups(n, group_size)
+        data = torch.empty(code_bytes(n, bits), dtype=torch.uint8, device=x.device)
+        scales = torch.empty(groups, dtype=torch.float32, device=x.device)
+        offsets = None if symmetric else torch.empty(groups, dtype=torch.float32, device=x.device)
+    else:
+        _check_out_buffers(out, n, bits, group_size, symmetric, x.device)
+        data, scales, offsets = out.data, out.scales, out.offsets
     _C.quantize(
         flat.data_ptr(), code, n, bits, group_size, symmetric, rounding_code, seed, 0,
         data.data_ptr(), scales.data_ptr(), 0 if offsets is None else offsets.data_ptr(),
@@ -155,25 +164,36 @@ def quantize(
     return QuantizedTensor(data, scales, offsets, x.shape, x.dtype, bits, group_size)
 
 
-def _check_quantized(q: QuantizedTensor) -> None:
+def _check_out_buffers(out, n: int, bits: int, group_size: int, symmetric: bool, device) -> None:
+    _check_quantized(out, "out")
+    want = (n, bits, group_size, symmetric, device)
+    got = (out.numel, out.bits, out.group_size, out.symmetric, out.device)
+    if got != want:
+        raise ValueError(
+            "out must match the call: (numel, bits, group_size, symmetric, device) = "
+            f"{want}, got {got}"
+        )
+
+
+def _check_quantized(q: QuantizedTensor, name: str = "q") -> None:
     """A hand-built QuantizedTensor must describe buffers large enough for the kernel."""
     if not isinstance(q, QuantizedTensor):
-        raise TypeError(f"q must be a qcoll.QuantizedTensor, got {type(q).__name__}")
-    check_bits(q.bits, "q.bits")
-    check_group_size(q.group_size, "q.group_size")
+        raise TypeError(f"{name} must be a qcoll.QuantizedTensor, got {type(q).__name__}")
+    check_bits(q.bits, f"{name}.bits")
+    check_group_size(q.group_size, f"{name}.group_size")
     n = q.numel
-    expect = {"q.data": (q.data, torch.uint8, code_bytes(n, q.bits)),
-              "q.scales": (q.scales, torch.float32, num_groups(n, q.group_size))}
+    expect = {f"{name}.data": (q.data, torch.uint8, code_bytes(n, q.bits)),
+              f"{name}.scales": (q.scales, torch.float32, num_groups(n, q.group_size))}
     if q.offsets is not None:
-        expect["q.offsets"] = (q.offsets, torch.float32, num_groups(n, q.group_size))
-    for name, (t, dtype, count) in expect.items():
+        expect[f"{name}.offsets"] = (q.offsets, torch.float32, num_groups(n, q.group_size))
+    for field, (t, dtype, count) in expect.items():
         if t.dtype != dtype or t.numel() != count or not t.is_contiguous():
             raise ValueError(
-                f"{name} must be a contiguous {dtype} tensor of {count} elements for shape "
+                f"{field} must be a contiguous {dtype} tensor of {count} elements for shape "
                 f"{tuple(q.shape)}, got {t.dtype} with {t.numel()} elements"
             )
         if t.device != q.data.device:
-            raise ValueError(f"{name} is on {t.device} but q.data is on {q.data.device}")
+            raise ValueError(f"{field} is on {t.device} but {name}.data is on {q.data.device}")
 
 
 def dequantize(
