@@ -27,8 +27,19 @@ from suites import group_size, kernels  # noqa: E402
 SUITES = {"kernels": kernels, "group_size": group_size}
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> dict:
-    info = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+    info = {"host": platform.node(), "cpu": cpu_model(),
             "cpus": os.cpu_count(), "torch": torch.__version__, "qcoll": qcoll.build_info()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()

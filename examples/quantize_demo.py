@@ -52,7 +52,7 @@ def main():
                 worst = (err / scale.clamp_min(1e-30)).max().item()
                 rel = (err.pow(2).mean().sqrt() / xd.float().pow(2).mean().sqrt()).item()
                 moved = xd.numel() * xd.element_size() + q.nbytes
-                tq = seconds(lambda: qcoll.quantize(xd, bits=bits, symmetric=symmetric), device)
+                tq = seconds(lambda: qcoll.quantize(xd, bits=bits, symmetric=symmetric, out=q), device)
                 out = torch.empty_like(xd)
                 tdq = seconds(lambda: qcoll.dequantize(q, out=out), device)
                 mode = "symmetric" if symmetric else "asymmetric"
