@@ -1,6 +1,7 @@
 // Argument checks shared by every device, then dispatch to the CPU or CUDA kernels.
 #include "qcoll/kernels.h"
 
+#include "arg_checks.h"
 #include "cpu/cpu_kernels.h"
 #include "qcoll/error.h"
 #if defined(QCOLL_WITH_CUDA)
@@ -20,18 +21,7 @@ void validate(const QuantSpec& spec) {
                   static_cast<int>(spec.rounding));
 }
 
-namespace {
-
-void check_device(const Device& d) {
-  if (d.kind == DeviceKind::kCPU) return;
-  QCOLL_ARG_CHECK(d.kind == DeviceKind::kCUDA, "unknown device kind ", static_cast<int>(d.kind));
-  QCOLL_ARG_CHECK(cuda_compiled(),
-                  "a CUDA tensor was given but qcoll was built without CUDA kernels "
-                  "(rebuild where nvcc is found, or with QCOLL_CUDA=1)");
-  QCOLL_ARG_CHECK(d.index >= 0, "CUDA device index must be >= 0, got ", d.index);
-}
-
-}  // namespace
+using detail::check_device;
 
 void quantize(const QuantizeArgs& a) {
   validate(a.spec);

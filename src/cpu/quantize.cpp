@@ -6,83 +6,16 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 #include "cpu/convert.h"
 #include "cpu/cpu_kernels.h"
+#include "cpu/quant_loops.h"
 #include "qcoll/quant_math.h"
 
 namespace qcoll {
 namespace cpu {
 namespace {
 
-// The per-range drivers are compiled for x86-64-v4 (AVX-512) and v3 (AVX2, F16C) as well
-// and picked at load time; the per-group helpers are forced inline into them so every
-// loop gets the wider ISA without a call per group. Every variant does the same IEEE
-// operations (no FMA: -ffp-contract=off), so results stay bit-identical.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define QCOLL_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define QCOLL_CPU_CLONES
-#endif
-#define QCOLL_INLINE inline __attribute__((always_inline))
-
 constexpr int64_t kChunk = 1024;  // multiple of 8, so int4 chunks start on whole bytes
-// Below this many elements a call runs on one thread: a parallel region costs more.
-constexpr int64_t kParallelThreshold = 1 << 15;
-
-// Points at `m` fp32 values of `src`: the source itself for fp32, else `buf` converted.
-QCOLL_INLINE const float* as_float(const char* src, DType t, int64_t m, float* buf) {
-  if (t == DType::kFloat32) return reinterpret_cast<const float*>(src);
-  load_as_float(src, t, m, buf);
-  return buf;
-}
-
-// Integer max/min reductions on the float bits (see quant_math.h); they vectorize.
-QCOLL_INLINE void accumulate_stats(const float* x, int64_t m, bool symmetric, math::GroupStats& s) {
-  const uint32_t* u = reinterpret_cast<const uint32_t*>(x);
-  uint32_t abs_bits = s.abs_bits;
-  if (symmetric) {
-    for (int64_t i = 0; i < m; ++i) {
-      const uint32_t a = u[i] & 0x7fffffffu;
-      abs_bits = a > abs_bits ? a : abs_bits;
-    }
-    s.abs_bits = abs_bits;
-    return;
-  }
-  int32_t lo = s.lo_key, hi = s.hi_key;
-  for (int64_t i = 0; i < m; ++i) {
-    const uint32_t a = u[i] & 0x7fffffffu;
-    const int32_t k = math::sortable_key(u[i]);
-    abs_bits = a > abs_bits ? a : abs_bits;
-    lo = k < lo ? k : lo;
-    hi = k > hi ? k : hi;
-  }
-  s.abs_bits = abs_bits;
-  s.lo_key = lo;
-  s.hi_key = hi;
-}
-
-// Nearest-rounded codes of m values straight into packed bytes; branch-free so it
-// vectorizes (the group's scale is > 0 here).
-template <bool kSym, int kBits>
-QCOLL_INLINE void code_nearest(const float* x, int64_t m, const math::GroupParams& p, uint8_t* out) {
-  const math::GroupParams params = p;  // a local copy: byte stores cannot alias it
-  auto code = [params](float v) {
-    return math::code_to_bits(math::quantize_scaled<kSym>(v, params, kBits, false, 0.0f), kBits);
-  };
-  if constexpr (kBits == 8) {
-    for (int64_t i = 0; i < m; ++i) out[i] = code(x[i]);
-    return;
-  }
-  const int64_t pairs = m / 2;
-  for (int64_t i = 0; i < pairs; ++i)
-    out[i] = static_cast<uint8_t>(code(x[2 * i]) | (code(x[2 * i + 1]) << 4));
-  if (m & 1) out[pairs] = code(x[m - 1]);  // odd tail: high nibble 0
-}
-
 // The counter-based hash does not vectorize; stochastic codes go one value at a time.
 void code_stochastic(const float* x, int64_t m, const math::GroupParams& p, const QuantSpec& spec,
                      uint64_t key, uint64_t index0, uint8_t* out) {
@@ -133,22 +66,6 @@ QCOLL_INLINE void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key)
   }
 }
 
-// Values of m codes into fp32 (the output buffer itself when the output is fp32).
-QCOLL_INLINE void decode_chunk(const uint8_t* in, int64_t m, const math::GroupParams& p, int bits, bool sym,
-                  float* out) {
-  if (bits == 8) {
-    for (int64_t i = 0; i < m; ++i)
-      out[i] = math::dequantize_value(math::bits_to_code(in[i], 8, sym), p, sym);
-    return;
-  }
-  const int64_t pairs = m / 2;
-  for (int64_t i = 0; i < pairs; ++i) {
-    out[2 * i] = math::dequantize_value(math::bits_to_code(in[i], 4, sym), p, sym);
-    out[2 * i + 1] = math::dequantize_value(math::bits_to_code(in[i] >> 4, 4, sym), p, sym);
-  }
-  if (m & 1) out[m - 1] = math::dequantize_value(math::bits_to_code(in[pairs], 4, sym), p, sym);
-}
-
 QCOLL_INLINE void dequantize_group(const DequantizeArgs& a, int64_t g) {
   alignas(64) float buf[kChunk];
   const size_t esize = dtype_size(a.dtype);
@@ -177,22 +94,6 @@ void quantize_groups(const QuantizeArgs& a, int64_t g0, int64_t g1, uint64_t key
 QCOLL_CPU_CLONES
 void dequantize_groups(const DequantizeArgs& a, int64_t g0, int64_t g1) {
   for (int64_t g = g0; g < g1; ++g) dequantize_group(a, g);
-}
-
-// Runs body(g0, g1) over contiguous ranges of [0, groups), one per OpenMP thread.
-template <typename Body>
-void for_group_ranges(int64_t groups, bool parallel, Body body) {
-#pragma omp parallel if (parallel)
-  {
-    int64_t t = 0, nt = 1;
-#if defined(_OPENMP)
-    t = omp_get_thread_num();
-    nt = omp_get_num_threads();
-#endif
-    const int64_t per = (groups + nt - 1) / nt;
-    const int64_t g0 = std::min(groups, t * per);
-    body(g0, std::min(groups, g0 + per));
-  }
 }
 
 }  // namespace

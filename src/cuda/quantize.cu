@@ -1,7 +1,5 @@
 // CUDA block quantize / dequantize, bit-identical to the CPU kernels: every value goes
-// through quant_math.h. The unit of work is a packet of 8 consecutive elements: one or two
-// 16-byte loads, one 8-byte (int8) or 4-byte (int4) code store. group_size is a multiple of
-// 8, so packets never straddle groups and only the tensor's last packet can be partial.
+// through quant_math.h. Packets, element types and team reductions: cuda/quant_team.cuh.
 //
 // quantize, group_size <= kChunk: a team of `lanes` threads per group (up to 32 lanes reduce
 //   with shuffles, 64..256 add a shared-memory step). Each lane keeps its (at most
@@ -15,193 +13,17 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_kernels.h"
+#include "cuda/quant_team.cuh"
 #include "qcoll/quant_math.h"
 
 namespace qcoll {
 namespace cuda {
 namespace {
 
-using math::GroupParams;
-using math::GroupStats;
-
-constexpr int kThreads = 256;
-constexpr int kPacket = 8;          // elements per packet
-constexpr int kPacketsPerLane = 4;  // packets one lane holds in registers
-// Largest group one team holds in registers; also the chunk of the split path.
-constexpr int64_t kChunk = int64_t{kThreads} * kPacketsPerLane * kPacket;
-constexpr int64_t kMaxBlocks = int64_t{1} << 16;  // grid cap; kernels loop over the rest
-
-__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-__device__ __forceinline__ int packet_count(int64_t remaining) {
-  return static_cast<int>(min64(remaining, kPacket));
-}
-
-// ---- element types: fp32 <-> storage bits, nearest-even like the CPU's conversions ----
-// to_float reads the element from the low bits of its argument.
-struct Fp32 {
-  using Bits = uint32_t;
-  __device__ static float to_float(uint32_t b) { return __uint_as_float(b); }
-  __device__ static uint32_t from_float(float f) { return __float_as_uint(f); }
-};
-
-struct Bf16 {
-  using Bits = uint16_t;
-  __device__ static float to_float(uint32_t b) { return __uint_as_float(b << 16); }
-  __device__ static uint32_t from_float(float f) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-  }
-};
-
-struct Fp16 {
-  using Bits = uint16_t;
-  __device__ static float to_float(uint32_t b) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
-  }
-  __device__ static uint32_t from_float(float f) { return __half_as_ushort(__float2half_rn(f)); }
-};
-
-template <typename E>
-constexpr int kPerWord = 4 / sizeof(typename E::Bits);  // elements per 32-bit word
-template <typename E>
-constexpr int kVectors = sizeof(typename E::Bits) * kPacket / 16;  // uint4 per packet
-
-struct Packet {
-  float x[kPacket];
-};
-
-// `vec`: the base pointer is 16-byte aligned, hence so is every whole packet.
-template <typename E>
-__device__ __forceinline__ Packet load_packet(const typename E::Bits* src, int count, bool vec) {
-  Packet p;
-  if (vec && count == kPacket) {
-    const uint4* v = reinterpret_cast<const uint4*>(src);
-#pragma unroll
-    for (int i = 0; i < kVectors<E>; ++i) {
-      const uint4 u = v[i];
-      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-#pragma unroll
-        for (int h = 0; h < kPerWord<E>; ++h)
-          p.x[(4 * i + k) * kPerWord<E> + h] = E::to_float(w[k] >> (16 * h));
-    }
-    return p;
-  }
-  // Unaligned or tail: element loads. Missing elements repeat element 0, which leaves the
-  // max/min statistics unchanged; their codes are never stored.
-#pragma unroll
-  for (int j = 0; j < kPacket; ++j) p.x[j] = E::to_float(src[j < count ? j : 0]);
-  return p;
-}
-
-template <typename E>
-__device__ __forceinline__ void store_packet(typename E::Bits* dst, int count, bool vec,
-                                             const Packet& p) {
-  if (vec && count == kPacket) {
-    uint4* v = reinterpret_cast<uint4*>(dst);
-#pragma unroll
-    for (int i = 0; i < kVectors<E>; ++i) {
-      uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-#pragma unroll
-        for (int h = 0; h < kPerWord<E>; ++h)
-          w[k] |= E::from_float(p.x[(4 * i + k) * kPerWord<E> + h]) << (16 * h);
-      v[i] = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < kPacket; ++j)
-    if (j < count) dst[j] = static_cast<typename E::Bits>(E::from_float(p.x[j]));
-}
-
-// A packet's codes: element j at bit Bits * j (int4: element 2k in the low nibble of byte
-// k), Bits bytes in all. `vec`: the codes base is aligned to that size.
-template <int Bits>
-__device__ __forceinline__ void store_codes(uint8_t* dst, uint64_t codes, int count, bool vec) {
-  if (vec && count == kPacket) {
-    if constexpr (Bits == 8)
-      *reinterpret_cast<uint64_t*>(dst) = codes;
-    else
-      *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(codes);
-    return;
-  }
-  // Drop the padding elements' codes: an odd int4 tail keeps a zero high nibble.
-  if (count < kPacket) codes &= (uint64_t{1} << (count * Bits)) - 1;
-#pragma unroll
-  for (int b = 0; b < Bits; ++b)
-    if (8 * b < count * Bits) dst[b] = static_cast<uint8_t>(codes >> (8 * b));
-}
-
-template <int Bits>
-__device__ __forceinline__ uint64_t load_codes(const uint8_t* src, int count, bool vec) {
-  if (vec && count == kPacket) {
-    if constexpr (Bits == 8)
-      return *reinterpret_cast<const uint64_t*>(src);
-    else
-      return *reinterpret_cast<const uint32_t*>(src);
-  }
-  uint64_t codes = 0;
-#pragma unroll
-  for (int b = 0; b < Bits; ++b)
-    if (8 * b < count * Bits) codes |= static_cast<uint64_t>(src[b]) << (8 * b);
-  return codes;
-}
-
-// ---- per-packet arithmetic (quant_math.h), with the uniform flags as constants ----------
-template <int Bits, bool Symmetric, bool Stochastic>
-__device__ __forceinline__ uint64_t code_packet_as(const Packet& p, const GroupParams& params,
-                                                   uint64_t key, uint64_t index0) {
-  uint64_t codes = 0;
-#pragma unroll
-  for (int j = 0; j < kPacket; ++j) {
-    const float u = Stochastic ? math::uniform01(key, index0 + j) : 0.0f;
-    const float q = math::quantize_value(p.x[j], params, Bits, Symmetric, Stochastic, u);
-    codes |= static_cast<uint64_t>(math::code_to_bits(q, Bits)) << (Bits * j);
-  }
-  return codes;
-}
-
-// index0: the stochastic-rounding index of the packet's first element.
-template <int Bits>
-__device__ __forceinline__ uint64_t code_packet(const Packet& p, const GroupParams& params,
-                                                bool symmetric, bool stochastic, uint64_t key,
-                                                uint64_t index0) {
-  if (symmetric)
-    return stochastic ? code_packet_as<Bits, true, true>(p, params, key, index0)
-                      : code_packet_as<Bits, true, false>(p, params, key, index0);
-  return stochastic ? code_packet_as<Bits, false, true>(p, params, key, index0)
-                    : code_packet_as<Bits, false, false>(p, params, key, index0);
-}
-
-template <int Bits, bool Symmetric>
-__device__ __forceinline__ Packet decode_packet_as(uint64_t codes, const GroupParams& params) {
-  Packet p;
-#pragma unroll
-  for (int j = 0; j < kPacket; ++j) {
-    const uint8_t b = static_cast<uint8_t>(codes >> (Bits * j));
-    p.x[j] = math::dequantize_value(math::bits_to_code(b, Bits, Symmetric), params, Symmetric);
-  }
-  return p;
-}
-
-template <int Bits>
-__device__ __forceinline__ Packet decode_packet(uint64_t codes, const GroupParams& params,
-                                                bool symmetric) {
-  return symmetric ? decode_packet_as<Bits, true>(codes, params)
-                   : decode_packet_as<Bits, false>(codes, params);
-}
-
-__device__ __forceinline__ void add_packet(GroupStats& s, const Packet& p) {
-#pragma unroll
-  for (int j = 0; j < kPacket; ++j) math::stats_add(s, p.x[j]);
-}
+using namespace team;
 
 // ---- quantize ------------------------------------------------------------------------
 struct QuantParams {
@@ -223,9 +45,6 @@ struct QuantParams {
   bool vec_out;  // codes aligned to a packet's code bytes
 };
 
-// kFused: whole groups, statistics to codes in one kernel. kStats / kCode: the two passes
-// over the chunks of large groups.
-enum class Pass { kFused, kStats, kCode };
 
 struct Unit {
   int64_t group;
@@ -243,29 +62,6 @@ __device__ __forceinline__ Unit unit_at(const QuantParams& q, int64_t u) {
     const int64_t begin = group_begin + (u - g * q.chunks_per_group) * kChunk;
     return {g, begin, min64(begin + kChunk, group_end)};
   }
-}
-
-__device__ __forceinline__ GroupStats shfl_xor(const GroupStats& s, int mask) {
-  constexpr unsigned kAll = 0xffffffffu;
-  return {__shfl_xor_sync(kAll, s.abs_bits, mask), __shfl_xor_sync(kAll, s.lo_key, mask),
-          __shfl_xor_sync(kAll, s.hi_key, mask)};
-}
-
-// Combines the statistics of the `lanes` threads of each team (aligned runs of threads).
-// Every thread of the block must call it with the same `lanes`.
-__device__ __forceinline__ GroupStats team_reduce(GroupStats s, int lanes, GroupStats* partial) {
-  for (int mask = (lanes < 32 ? lanes : 32) / 2; mask > 0; mask /= 2)
-    s = math::stats_combine(s, shfl_xor(s, mask));
-  if (lanes <= 32) return s;
-  const int warp = threadIdx.x / 32;
-  const int warps = lanes / 32;
-  if (threadIdx.x % 32 == 0) partial[warp] = s;
-  __syncthreads();
-  const int first = warp / warps * warps;
-  s = partial[first];
-  for (int w = 1; w < warps; ++w) s = math::stats_combine(s, partial[first + w]);
-  __syncthreads();  // the next unit rewrites `partial`
-  return s;
 }
 
 __device__ __forceinline__ void write_params(const QuantParams& q, int64_t g,
@@ -402,39 +198,6 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantParam
     const GroupParams params{d.scales[g], d.symmetric ? 0.0f : d.offsets[g]};
     const uint64_t codes = load_codes<Bits>(d.codes + e * Bits / 8, count, d.vec_in);
     store_packet<E>(output + e, count, d.vec_out, decode_packet<Bits>(codes, params, d.symmetric));
-  }
-}
-
-// ---- host side -----------------------------------------------------------------------
-bool aligned(const void* p, uintptr_t bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-}
-
-unsigned grid_for(int64_t items, int64_t per_block) {
-  return static_cast<unsigned>(std::min((items + per_block - 1) / per_block, kMaxBlocks));
-}
-
-// Smallest power-of-two team that covers a group with kPacketsPerLane packets per lane.
-int team_lanes(int64_t group_size) {
-  const int64_t packets = group_size / kPacket;
-  int lanes = 1;
-  while (int64_t{lanes} * kPacketsPerLane < packets) lanes *= 2;
-  return lanes;
-}
-
-// Calls f(element type tag, std::integral_constant<int, bits>).
-template <typename F>
-void dispatch(DType dtype, int bits, F&& f) {
-  const auto with_bits = [&](auto elem) {
-    if (bits == 8)
-      f(elem, std::integral_constant<int, 8>{});
-    else
-      f(elem, std::integral_constant<int, 4>{});
-  };
-  switch (dtype) {
-    case DType::kFloat32: return with_bits(Fp32{});
-    case DType::kFloat16: return with_bits(Fp16{});
-    case DType::kBFloat16: return with_bits(Bf16{});
   }
 }
 

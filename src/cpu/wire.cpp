@@ -1,0 +1,263 @@
+// CPU wire kernels (include/qcoll/wire.h): encode slices into chunks, and the fused
+// dequantize-reduce-(re)quantize over received chunks.
+//
+// The work items are (chunk, group) pairs for quantized outputs and (chunk, block of
+// kBlock elements) pairs for raw ones; OpenMP gives each thread one contiguous range of
+// them, run by an ISA-cloned driver like the quantize kernels. A group's fp32 values (the
+// converted input slice, or the sum over sources) are built in a stack buffer of kBlock
+// elements: pass 1 gathers the group's statistics, pass 2 writes the codes from the same
+// buffer. Groups larger than kBlock are done piece by piece, recomputing each piece's
+// values for pass 2.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu/convert.h"
+#include "cpu/cpu_kernels.h"
+#include "cpu/quant_loops.h"
+#include "qcoll/quant_math.h"
+
+namespace qcoll {
+namespace cpu {
+namespace {
+
+// Elements of one stack buffer: a multiple of 8 (so int4 pieces start on whole bytes) that
+// holds the usual group sizes whole.
+constexpr int64_t kBlock = 2048;
+
+// ---- chunk layout -------------------------------------------------------------------------
+QCOLL_INLINE void store_scale(uint8_t* chunk, const WireFormat& fmt, int64_t len, int64_t g,
+                              float s) {
+  std::memcpy(chunk + fmt.scales_offset(len) + 4 * g, &s, 4);
+}
+
+QCOLL_INLINE float load_scale(const uint8_t* chunk, const WireFormat& fmt, int64_t len, int64_t g) {
+  float s;
+  std::memcpy(&s, chunk + fmt.scales_offset(len) + 4 * g, 4);
+  return s;
+}
+
+// Zeroes the bytes of a chunk that carry no data (padding after the codes, the scales or
+// the raw values), so the bytes on the wire are deterministic.
+QCOLL_INLINE void zero_padding(uint8_t* chunk, const WireFormat& fmt, int64_t len) {
+  const int64_t end = fmt.chunk_bytes(len);
+  if (!fmt.quantized()) {
+    const int64_t data = len * static_cast<int64_t>(dtype_size(fmt.raw_dtype));
+    std::memset(chunk + data, 0, static_cast<size_t>(end - data));
+    return;
+  }
+  const int64_t codes = code_bytes(len, fmt.bits);
+  const int64_t scales = fmt.scales_offset(len);
+  std::memset(chunk + codes, 0, static_cast<size_t>(scales - codes));
+  const int64_t scales_end = scales + 4 * num_groups(len, fmt.group_size);
+  std::memset(chunk + scales_end, 0, static_cast<size_t>(end - scales_end));
+}
+
+// ---- codes ----------------------------------------------------------------------------------
+QCOLL_INLINE void code_symmetric(const float* x, int64_t m, const math::GroupParams& p, int bits,
+                                 uint8_t* out) {
+  if (math::codes_are_zero(p))
+    std::memset(out, 0, static_cast<size_t>(code_bytes(m, bits)));
+  else if (bits == 8)
+    code_nearest<true, 8>(x, m, p, out);
+  else
+    code_nearest<true, 4>(x, m, p, out);
+}
+
+// acc[i] += the value of code i (symmetric), in fp32 with an unfused multiply and add.
+template <int kBits>
+QCOLL_INLINE void decode_add(const uint8_t* in, int64_t m, float scale, float* acc) {
+  const math::GroupParams p{scale, 0.0f};
+  auto value = [p](uint8_t b) {
+    return math::dequantize_value(math::bits_to_code(b, kBits, true), p, true);
+  };
+  if constexpr (kBits == 8) {
+    for (int64_t i = 0; i < m; ++i) acc[i] = math::add(acc[i], value(in[i]));
+    return;
+  }
+  const int64_t pairs = m / 2;
+  for (int64_t i = 0; i < pairs; ++i) {
+    acc[2 * i] = math::add(acc[2 * i], value(in[i]));
+    acc[2 * i + 1] = math::add(acc[2 * i + 1], value(static_cast<uint8_t>(in[i] >> 4)));
+  }
+  if (m & 1) acc[m - 1] = math::add(acc[m - 1], value(in[pairs]));
+}
+
+// Quantizes group g of a chunk of `len` elements whose fp32 values `fill` produces
+// piecewise: fill(e, k, buf) returns k values starting at element e of the chunk (buf, or
+// the source itself). Writes the group's scale and codes.
+template <typename Fill>
+QCOLL_INLINE void encode_group(uint8_t* chunk, const WireFormat& fmt, int64_t len, int64_t g,
+                               float* buf, const Fill& fill) {
+  const int64_t begin = g * fmt.group_size;
+  const int64_t m = std::min(fmt.group_size, len - begin);
+  math::GroupStats stats = math::stats_identity();
+  const float* x = nullptr;
+  for (int64_t c = 0; c < m; c += kBlock) {
+    const int64_t k = std::min(kBlock, m - c);
+    x = fill(begin + c, k, buf);
+    accumulate_stats(x, k, /*symmetric=*/true, stats);
+  }
+  const math::GroupParams p = math::group_params(stats, fmt.bits, /*symmetric=*/true);
+  store_scale(chunk, fmt, len, g, p.scale);
+  uint8_t* codes = chunk + code_bytes(begin, fmt.bits);
+  if (m <= kBlock || math::codes_are_zero(p)) {  // x holds the whole group, or is unused
+    code_symmetric(x, m, p, fmt.bits, codes);
+    return;
+  }
+  for (int64_t c = 0; c < m; c += kBlock) {
+    const int64_t k = std::min(kBlock, m - c);
+    code_symmetric(fill(begin + c, k, buf), k, p, fmt.bits, codes + code_bytes(c, fmt.bits));
+  }
+}
+
+// Block b (kBlock elements) of a raw chunk, from fill as above.
+template <typename Fill>
+QCOLL_INLINE void encode_block_raw(uint8_t* chunk, const WireFormat& fmt, int64_t len, int64_t b,
+                                   float* buf, const Fill& fill) {
+  const int64_t begin = b * kBlock;
+  const int64_t k = std::min(kBlock, len - begin);
+  const size_t esize = dtype_size(fmt.raw_dtype);
+  store_from_float(fill(begin, k, buf), fmt.raw_dtype, k, chunk + begin * esize);
+}
+
+// Units of work: `per_item` groups or blocks of each of `items` chunks.
+struct Plan {
+  int64_t per_item;
+  int64_t units;
+};
+
+Plan plan(int64_t items, int64_t len, const WireFormat* fmt) {
+  const int64_t per = fmt && fmt->quantized() ? num_groups(len, fmt->group_size)
+                                              : num_groups(len, kBlock);
+  return {per, items * per};
+}
+
+// ---- encode -----------------------------------------------------------------------------------
+struct SliceFill {  // the input slice of one chunk, as fp32
+  const char* src;
+  DType dtype;
+  QCOLL_INLINE const float* operator()(int64_t e, int64_t k, float* buf) const {
+    return as_float(src + e * static_cast<int64_t>(dtype_size(dtype)), dtype, k, buf);
+  }
+};
+
+QCOLL_INLINE void encode_unit(const EncodeArgs& a, const Plan& pl, int64_t u, float* buf) {
+  const int64_t k = u / pl.per_item;
+  const int64_t g = u % pl.per_item;
+  const int64_t esize = static_cast<int64_t>(dtype_size(a.dtype));
+  const int64_t p = swizzled_partition(k, a.node_size, a.nodes);
+  const char* src =
+      static_cast<const char*>(a.input) + (p * a.partition_elems + a.slice_begin) * esize;
+  uint8_t* chunk = a.output + k * a.chunk_stride;
+  const SliceFill fill{src, a.dtype};
+  if (a.fmt.quantized()) {
+    encode_group(chunk, a.fmt, a.len, g, buf, fill);
+  } else if (a.dtype == a.fmt.raw_dtype) {  // a copy
+    const int64_t begin = g * kBlock;
+    const int64_t m = std::min(kBlock, a.len - begin);
+    std::memcpy(chunk + begin * esize, src + begin * esize, static_cast<size_t>(m * esize));
+  } else {
+    encode_block_raw(chunk, a.fmt, a.len, g, buf, fill);
+  }
+  if (g == pl.per_item - 1) zero_padding(chunk, a.fmt, a.len);
+}
+
+QCOLL_CPU_CLONES
+void encode_units(const EncodeArgs& a, const Plan& pl, int64_t u0, int64_t u1) {
+  alignas(64) float buf[kBlock];
+  for (int64_t u = u0; u < u1; ++u) encode_unit(a, pl, u, buf);
+}
+
+// ---- reduce -----------------------------------------------------------------------------------
+// The sum over sources (in order, fp32) of elements [e, e + k) of output o, divided by the
+// divisor unless it is 1: the first source is written, the others added.
+struct SumFill {
+  const ReduceArgs* a;
+  int64_t o;
+  float* tmp;  // kBlock floats for converting raw sources
+
+  QCOLL_INLINE const float* operator()(int64_t e, int64_t k, float* acc) const {
+    const ReduceArgs& r = *a;
+    const WireFormat& fmt = r.in_fmt;
+    const uint8_t* base = r.input + o * r.output_in_stride;
+    for (int32_t s = 0; s < r.sources; ++s) {
+      const uint8_t* chunk = base + s * r.source_stride;
+      if (fmt.quantized()) {
+        // Split at the input's group boundaries (multiples of 8, as e is: whole bytes).
+        for (int64_t i = e; i < e + k;) {
+          const int64_t ig = i / fmt.group_size;
+          const int64_t j = std::min(e + k, (ig + 1) * fmt.group_size);
+          const float scale = load_scale(chunk, fmt, r.len, ig);
+          const uint8_t* codes = chunk + code_bytes(i, fmt.bits);
+          if (s == 0)
+            decode_chunk(codes, j - i, math::GroupParams{scale, 0.0f}, fmt.bits, true, acc + (i - e));
+          else if (fmt.bits == 8)
+            decode_add<8>(codes, j - i, scale, acc + (i - e));
+          else
+            decode_add<4>(codes, j - i, scale, acc + (i - e));
+          i = j;
+        }
+      } else {
+        const char* src = reinterpret_cast<const char*>(chunk) +
+                          e * static_cast<int64_t>(dtype_size(fmt.raw_dtype));
+        if (s == 0) {
+          load_as_float(src, fmt.raw_dtype, k, acc);
+        } else {
+          const float* x = as_float(src, fmt.raw_dtype, k, tmp);
+          for (int64_t i = 0; i < k; ++i) acc[i] = math::add(acc[i], x[i]);
+        }
+      }
+    }
+    if (r.divisor != 1.0f) {
+      const float d = r.divisor;
+      for (int64_t i = 0; i < k; ++i) acc[i] = math::div(acc[i], d);
+    }
+    return acc;
+  }
+};
+
+QCOLL_INLINE void reduce_unit(const ReduceArgs& a, const Plan& pl, int64_t u, float* buf,
+                              float* tmp) {
+  const int64_t o = u / pl.per_item;
+  const int64_t g = u % pl.per_item;
+  const SumFill fill{&a, o, tmp};
+  if (!a.out_wire) {
+    const int64_t begin = g * kBlock;
+    const int64_t k = std::min(kBlock, a.len - begin);
+    const int64_t esize = static_cast<int64_t>(dtype_size(a.out_dtype));
+    char* dst = static_cast<char*>(a.out_values) + (o * a.out_values_stride + begin) * esize;
+    store_from_float(fill(begin, k, buf), a.out_dtype, k, dst);
+    return;
+  }
+  uint8_t* chunk = a.out_wire + o * a.out_chunk_stride;
+  if (a.out_fmt.quantized())
+    encode_group(chunk, a.out_fmt, a.len, g, buf, fill);
+  else
+    encode_block_raw(chunk, a.out_fmt, a.len, g, buf, fill);
+  if (g == pl.per_item - 1) zero_padding(chunk, a.out_fmt, a.len);
+}
+
+QCOLL_CPU_CLONES
+void reduce_units(const ReduceArgs& a, const Plan& pl, int64_t u0, int64_t u1) {
+  alignas(64) float buf[kBlock];
+  alignas(64) float tmp[kBlock];
+  for (int64_t u = u0; u < u1; ++u) reduce_unit(a, pl, u, buf, tmp);
+}
+
+}  // namespace
+
+void encode_chunks(const EncodeArgs& a) {
+  const Plan pl = plan(a.count, a.len, &a.fmt);
+  for_group_ranges(pl.units, a.len * a.count >= kParallelThreshold,
+                   [&](int64_t u0, int64_t u1) { encode_units(a, pl, u0, u1); });
+}
+
+void reduce_chunks(const ReduceArgs& a) {
+  const Plan pl = plan(a.outputs, a.len, a.out_wire ? &a.out_fmt : nullptr);
+  for_group_ranges(pl.units, a.len * a.outputs * a.sources >= kParallelThreshold,
+                   [&](int64_t u0, int64_t u1) { reduce_units(a, pl, u0, u1); });
+}
+
+}  // namespace cpu
+}  // namespace qcoll

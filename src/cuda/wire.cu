@@ -1,0 +1,524 @@
+// CUDA wire kernels (include/qcoll/wire.h), bit-identical to src/cpu/wire.cpp: every value
+// goes through quant_math.h, with the packets and teams of cuda/quant_team.cuh.
+//
+// A "source" produces the fp32 values of a chunk's packets: the input slice of the chunk's
+// partition (encode), or the sum over the received chunks of an output (reduce; sources
+// added in order, first written, then divided). Sums stay in registers: the reduce is a
+// fused dequantize-reduce-quantize with no fp32 round trip through memory.
+//
+// Quantized outputs, group_size <= kChunk: the quantize team kernel, one team per (chunk,
+//   group): each lane holds its packets' values in registers, the team reduces the
+//   group's absmax, and the lanes write codes; the team leader writes the scale and, for
+//   a chunk's last group, zeroes the chunk's padding.
+// Quantized outputs, larger groups: the split path of quantize. A prepare kernel zeroes
+//   each chunk's scale slots and padding; a stats pass (one block per kChunk piece of a
+//   group) merges absmax bits into the scale slot with atomicMax; a finalize kernel turns
+//   them into scales; a code pass recomputes the values (re-reading the input, or for
+//   reduce re-summing the sources) and writes the codes.
+// Raw outputs (raw chunks, or values of out_dtype): one thread per packet; raw encode of
+//   the input's own dtype is a bit copy.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_kernels.h"
+#include "cuda/quant_team.cuh"
+#include "qcoll/quant_math.h"
+
+namespace qcoll {
+namespace cuda {
+namespace {
+
+using namespace team;
+
+// swizzled_partition of wire.h (a host function), for the device; k < count fits 32 bits.
+__device__ __forceinline__ int64_t partition_of(int64_t k, int node_size, int nodes) {
+  const int k32 = static_cast<int>(k);
+  return node_size > 0 ? int64_t{k32 % nodes} * node_size + k32 / nodes : k;
+}
+
+__device__ __forceinline__ void zero_bytes(uint8_t* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) p[i] = 0;
+}
+
+// Missing elements of a run's last packet repeat element 0: they leave the statistics
+// unchanged, and their values are never stored.
+__device__ __forceinline__ void pad_tail(Packet& p, int count) {
+#pragma unroll
+  for (int j = 1; j < kPacket; ++j)
+    if (j >= count) p.x[j] = p.x[0];
+}
+
+// ---- sources -----------------------------------------------------------------------------
+// load<N>(item, first, step, end, p) fills p[j] for the packets at elements
+// e = first + j * step < end of chunk (or output) `item`; `end` is the end of the current
+// group or piece, so e + 8 > end only for the chunk's last packet.
+
+// kMinBlocks: the team kernel's blocks per SM (launch bounds): 3 leaves 80 registers per
+// thread, enough for a slice; a sum over sources needs more to hold its packets without
+// spilling.
+
+template <typename E>
+struct SliceSource {  // encode: elements [slice_begin, +len) of partition p(item)
+  static constexpr int kMinBlocks = 3;
+  const typename E::Bits* input;
+  int64_t partition_elems;
+  int64_t slice_begin;
+  int node_size;
+  int nodes;
+  bool vec;  // every slice 16-byte aligned
+
+  template <int N>
+  __device__ __forceinline__ void load(int64_t item, int64_t first, int64_t step, int64_t end,
+                                       Packet (&p)[N]) const {
+    const auto* src =
+        input + partition_of(item, node_size, nodes) * partition_elems + slice_begin;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int64_t e = first + j * step;
+      if (e < end) p[j] = load_packet<E>(src + e, packet_count(end - e), vec);
+    }
+  }
+};
+
+struct SumLayout {  // reduce: chunk of output o, source s at input + o * out + s * source
+  const uint8_t* input;
+  int64_t source_stride;
+  int64_t output_stride;
+  int sources;
+  float divisor;
+};
+
+template <int N>
+__device__ __forceinline__ void divide(Packet (&p)[N], float divisor) {
+  if (divisor == 1.0f) return;
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int k = 0; k < kPacket; ++k) p[j].x[k] = math::div(p[j].x[k], divisor);
+}
+
+__device__ __forceinline__ void accumulate(Packet& acc, const Packet& d, bool first) {
+  if (first) {
+    acc = d;
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kPacket; ++k) acc.x[k] = math::add(acc.x[k], d.x[k]);
+}
+
+template <int InBits>
+struct QuantSumSource {  // reduce of quantized chunks
+  static constexpr int kMinBlocks = 2;
+  SumLayout l;
+  int64_t scales_offset;  // of the input chunks
+  int64_t group_size;     // of the input chunks
+  bool vec;               // every input chunk aligned to a packet's code bytes
+
+  template <int N>
+  __device__ __forceinline__ void load(int64_t item, int64_t first, int64_t step, int64_t end,
+                                       Packet (&acc)[N]) const {
+    const uint8_t* chunk = l.input + item * l.output_stride;
+    // All packets of one load lie in one input group: N == 1, or the team of one output
+    // group, which sits inside an input group (equal group sizes, checked by wire.cpp).
+    const int64_t scale_at = scales_offset + 4 * (first / group_size);
+    for (int s = 0; s < l.sources; ++s, chunk += l.source_stride) {
+      const GroupParams p{first < end ? *reinterpret_cast<const float*>(chunk + scale_at) : 0.0f,
+                          0.0f};
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int64_t e = first + j * step;
+        if (e < end) {
+          const uint64_t codes =
+              load_codes<InBits>(chunk + e * InBits / 8, packet_count(end - e), vec);
+          accumulate(acc[j], decode_packet<InBits>(codes, p, /*symmetric=*/true), s == 0);
+        }
+      }
+    }
+    divide(acc, l.divisor);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const int64_t e = first + j * step;
+      if (e < end) pad_tail(acc[j], packet_count(end - e));
+    }
+  }
+};
+
+template <typename E>
+struct RawSumSource {  // reduce of raw chunks
+  static constexpr int kMinBlocks = 2;
+  SumLayout l;
+  bool vec;  // every input chunk 16-byte aligned
+
+  template <int N>
+  __device__ __forceinline__ void load(int64_t item, int64_t first, int64_t step, int64_t end,
+                                       Packet (&acc)[N]) const {
+    const uint8_t* chunk = l.input + item * l.output_stride;
+    for (int s = 0; s < l.sources; ++s, chunk += l.source_stride) {
+      const auto* src = reinterpret_cast<const typename E::Bits*>(chunk);
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const int64_t e = first + j * step;
+        if (e < end) accumulate(acc[j], load_packet<E>(src + e, packet_count(end - e), vec), s == 0);
+      }
+    }
+    divide(acc, l.divisor);
+  }
+};
+
+// ---- quantized outputs ----------------------------------------------------------------------
+struct QuantChunks {  // `items` chunks of `len` elements at base + item * stride
+  uint8_t* base;
+  int64_t stride;
+  int64_t len;
+  int64_t group_size;
+  int64_t groups;  // per chunk
+  int64_t code_bytes;
+  int64_t scales_offset;
+  int64_t chunk_bytes;
+  int64_t items;
+  int64_t chunks_per_group;  // split path: kChunk pieces per group
+  int64_t units;             // team work items: items * groups (* chunks_per_group)
+  int lanes;                 // fused path
+  int bits;
+  bool vec;  // every chunk's codes aligned to a packet's code bytes
+
+  __device__ __forceinline__ uint8_t* chunk(int64_t item) const { return base + item * stride; }
+  __device__ __forceinline__ float* scale(int64_t item, int64_t g) const {
+    return reinterpret_cast<float*>(chunk(item) + scales_offset) + g;
+  }
+};
+
+struct TeamUnit {
+  int64_t item, group;
+  int64_t begin, end;  // element range in the chunk; empty past the last unit
+};
+
+template <Pass P>
+__device__ __forceinline__ TeamUnit team_unit(const QuantChunks& c, int64_t u) {
+  if (u >= c.units) return {0, 0, 0, 0};
+  const int64_t per_item = P == Pass::kFused ? c.groups : c.groups * c.chunks_per_group;
+  const int64_t item = u / per_item;
+  const int64_t r = u - item * per_item;
+  const int64_t g = P == Pass::kFused ? r : r / c.chunks_per_group;
+  const int64_t group_begin = g * c.group_size;
+  const int64_t group_end = min64(group_begin + c.group_size, c.len);
+  if constexpr (P == Pass::kFused) {
+    return {item, g, group_begin, group_end};
+  } else {
+    const int64_t begin = group_begin + (r - g * c.chunks_per_group) * kChunk;
+    return {item, g, begin, min64(begin + kChunk, group_end)};
+  }
+}
+
+__device__ __forceinline__ void zero_quant_padding(const QuantChunks& c, int64_t item) {
+  uint8_t* chunk = c.chunk(item);
+  zero_bytes(chunk + c.code_bytes, c.scales_offset - c.code_bytes);
+  const int64_t scales_end = c.scales_offset + 4 * c.groups;
+  zero_bytes(chunk + scales_end, c.chunk_bytes - scales_end);
+}
+
+// The quantize team kernel (src/cuda/quantize.cu), symmetric and nearest, with the values
+// from `src` and the codes and scales into chunks.
+template <int Bits, Pass P, typename Src>
+__global__ void __launch_bounds__(kThreads, Src::kMinBlocks) team_kernel(const Src src, const QuantChunks c) {
+  __shared__ GroupStats partial[kThreads / 32];
+  const int lanes = P == Pass::kFused ? c.lanes : kThreads;
+  const int teams = kThreads / lanes;
+  const int lane = threadIdx.x % lanes;
+  const int team = threadIdx.x / lanes;
+
+  // Block-uniform trip count: every thread reaches team_reduce's shuffles and barriers.
+  for (int64_t first = int64_t{blockIdx.x} * teams; first < c.units;
+       first += int64_t{gridDim.x} * teams) {
+    const TeamUnit unit = team_unit<P>(c, first + team);
+    const bool leader = lane == 0 && unit.begin < unit.end;
+    // Lane packets are interleaved (packet lane + j * lanes) so a warp reads contiguously.
+    const int64_t e0 = unit.begin + int64_t{kPacket} * lane;
+    const int64_t step = int64_t{kPacket} * lanes;
+    Packet cache[kPacketsPerLane];
+    src.load(unit.item, e0, step, unit.end, cache);
+
+    GroupStats s = math::stats_identity();
+    if constexpr (P != Pass::kCode) {
+#pragma unroll
+      for (int j = 0; j < kPacketsPerLane; ++j)
+        if (e0 + j * step < unit.end) add_packet(s, cache[j]);
+    }
+    if constexpr (P == Pass::kStats) {
+      s = team_reduce(s, lanes, partial);
+      if (leader) atomicMax(reinterpret_cast<unsigned int*>(c.scale(unit.item, unit.group)), s.abs_bits);
+    } else {
+      GroupParams params{0.0f, 0.0f};
+      if constexpr (P == Pass::kFused) {
+        params = math::group_params(team_reduce(s, lanes, partial), Bits, /*symmetric=*/true);
+        if (leader) *c.scale(unit.item, unit.group) = params.scale;
+      } else if (unit.begin < unit.end) {
+        params.scale = *c.scale(unit.item, unit.group);
+      }
+      uint8_t* chunk = c.chunk(unit.item);
+#pragma unroll
+      for (int j = 0; j < kPacketsPerLane; ++j) {
+        const int64_t e = e0 + j * step;
+        if (e < unit.end) {
+          const uint64_t codes = code_packet<Bits>(cache[j], params, /*symmetric=*/true,
+                                                   /*stochastic=*/false, 0, 0);
+          store_codes<Bits>(chunk + e * Bits / 8, codes, packet_count(unit.end - e), c.vec);
+        }
+      }
+      // After the codes, when the packets' registers are free.
+      if (P == Pass::kFused && leader && unit.group == c.groups - 1)
+        zero_quant_padding(c, unit.item);
+    }
+  }
+}
+
+// Split path, before the stats pass: scale slots (atomicMax targets) and padding to 0.
+__global__ void __launch_bounds__(kThreads) prepare_kernel(const QuantChunks c) {
+  const int64_t per_item = c.chunk_bytes - c.code_bytes;
+  for (int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x; i < c.items * per_item;
+       i += int64_t{gridDim.x} * kThreads) {
+    const int64_t item = i / per_item;
+    c.chunk(item)[c.code_bytes + (i - item * per_item)] = 0;
+  }
+}
+
+// Split path, after the stats pass: absmax bits -> scale.
+__global__ void __launch_bounds__(kThreads) finalize_kernel(const QuantChunks c) {
+  for (int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x; i < c.items * c.groups;
+       i += int64_t{gridDim.x} * kThreads) {
+    const int64_t item = i / c.groups;
+    float* slot = c.scale(item, i - item * c.groups);
+    GroupStats s = math::stats_identity();
+    s.abs_bits = *reinterpret_cast<const unsigned int*>(slot);  // symmetric: only abs_bits
+    *slot = math::group_params(s, c.bits, /*symmetric=*/true).scale;
+  }
+}
+
+template <int Bits, typename Src>
+void launch_team(const Src& src, QuantChunks c, cudaStream_t stream) {
+  if (c.group_size <= kChunk) {
+    c.lanes = team_lanes(c.group_size);
+    c.units = c.items * c.groups;
+    team_kernel<Bits, Pass::kFused, Src>
+        <<<grid_for(c.units, kThreads / c.lanes), kThreads, 0, stream>>>(src, c);
+    QCOLL_CUDA_CHECK(cudaGetLastError());
+    return;
+  }
+  c.lanes = kThreads;
+  c.chunks_per_group = (c.group_size + kChunk - 1) / kChunk;
+  c.units = c.items * c.groups * c.chunks_per_group;
+  prepare_kernel<<<grid_for(c.items * (c.chunk_bytes - c.code_bytes), kThreads), kThreads, 0,
+                   stream>>>(c);
+  QCOLL_CUDA_CHECK(cudaGetLastError());
+  team_kernel<Bits, Pass::kStats, Src><<<grid_for(c.units, 1), kThreads, 0, stream>>>(src, c);
+  QCOLL_CUDA_CHECK(cudaGetLastError());
+  finalize_kernel<<<grid_for(c.items * c.groups, kThreads), kThreads, 0, stream>>>(c);
+  QCOLL_CUDA_CHECK(cudaGetLastError());
+  team_kernel<Bits, Pass::kCode, Src><<<grid_for(c.units, 1), kThreads, 0, stream>>>(src, c);
+  QCOLL_CUDA_CHECK(cudaGetLastError());
+}
+
+// ---- raw outputs ------------------------------------------------------------------------------
+struct RawRuns {  // `items` runs of `len` elements at base + item * stride bytes
+  uint8_t* base;
+  int64_t stride;
+  int64_t len;
+  int64_t items;
+  int64_t data_bytes;  // len * element size
+  int64_t end_bytes;   // raw chunk: chunk_bytes (the rest is zeroed); values: data_bytes
+  bool vec;            // every run 16-byte aligned
+};
+
+__device__ __forceinline__ void zero_raw_padding(const RawRuns& r, int64_t item, int64_t e) {
+  if (e + kPacket >= r.len)  // the thread of the run's last packet
+    zero_bytes(r.base + item * r.stride + r.data_bytes, r.end_bytes - r.data_bytes);
+}
+
+template <typename Eout, typename Src>
+__global__ void __launch_bounds__(kThreads) elementwise_kernel(const Src src, const RawRuns r) {
+  const int64_t packets = (r.len + kPacket - 1) / kPacket;
+  for (int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x; i < r.items * packets;
+       i += int64_t{gridDim.x} * kThreads) {
+    const int64_t item = i / packets;
+    const int64_t e = (i - item * packets) * kPacket;
+    Packet p[1];
+    src.load(item, e, kPacket, r.len, p);
+    auto* dst = reinterpret_cast<typename Eout::Bits*>(r.base + item * r.stride);
+    store_packet<Eout>(dst + e, packet_count(r.len - e), r.vec, p[0]);
+    zero_raw_padding(r, item, e);
+  }
+}
+
+// Raw encode in the input's own dtype: the bits are copied (NaN payloads included).
+template <typename E>
+__global__ void __launch_bounds__(kThreads) copy_kernel(const SliceSource<E> src, const RawRuns r) {
+  using Bits = typename E::Bits;
+  const int64_t packets = (r.len + kPacket - 1) / kPacket;
+  for (int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x; i < r.items * packets;
+       i += int64_t{gridDim.x} * kThreads) {
+    const int64_t item = i / packets;
+    const int64_t e = (i - item * packets) * kPacket;
+    const Bits* in = src.input + partition_of(item, src.node_size, src.nodes) * src.partition_elems +
+                     src.slice_begin + e;
+    Bits* out = reinterpret_cast<Bits*>(r.base + item * r.stride) + e;
+    const int count = packet_count(r.len - e);
+    if (src.vec && r.vec && count == kPacket) {
+#pragma unroll
+      for (int v = 0; v < kVectors<E>; ++v)
+        reinterpret_cast<uint4*>(out)[v] = reinterpret_cast<const uint4*>(in)[v];
+    } else {
+      for (int j = 0; j < count; ++j) out[j] = in[j];
+    }
+    zero_raw_padding(r, item, e);
+  }
+}
+
+// ---- host side ------------------------------------------------------------------------------
+// Alignment of every run base + k * stride, k < count.
+bool runs_aligned(const void* base, int64_t stride, int64_t count, uintptr_t bytes) {
+  return aligned(base, bytes) && (count <= 1 || stride % static_cast<int64_t>(bytes) == 0);
+}
+
+QuantChunks quant_chunks(uint8_t* base, int64_t stride, int64_t items, const WireFormat& fmt,
+                         int64_t len) {
+  QuantChunks c{};
+  c.base = base;
+  c.stride = stride;
+  c.len = len;
+  c.group_size = fmt.group_size;
+  c.groups = num_groups(len, fmt.group_size);
+  c.code_bytes = code_bytes(len, fmt.bits);
+  c.scales_offset = fmt.scales_offset(len);
+  c.chunk_bytes = fmt.chunk_bytes(len);
+  c.items = items;
+  c.bits = fmt.bits;
+  c.vec = runs_aligned(base, stride, items, static_cast<uintptr_t>(fmt.bits));
+  return c;
+}
+
+RawRuns raw_runs(void* base, int64_t stride_bytes, int64_t items, DType dtype, int64_t len,
+                 int64_t end_bytes) {
+  RawRuns r{};
+  r.base = static_cast<uint8_t*>(base);
+  r.stride = stride_bytes;
+  r.len = len;
+  r.items = items;
+  r.data_bytes = len * static_cast<int64_t>(dtype_size(dtype));
+  r.end_bytes = end_bytes;
+  r.vec = runs_aligned(base, stride_bytes, items, 16);
+  return r;
+}
+
+template <typename F>
+void with_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: return f(Fp32{});
+    case DType::kFloat16: return f(Fp16{});
+    case DType::kBFloat16: return f(Bf16{});
+  }
+}
+
+template <typename F>
+void with_bits(int bits, F&& f) {
+  if (bits == 8)
+    f(std::integral_constant<int, 8>{});
+  else
+    f(std::integral_constant<int, 4>{});
+}
+
+// Runs a source through the kernel that the output format asks for.
+template <typename Src>
+void launch_elementwise(const Src& src, const RawRuns& r, DType out_dtype, cudaStream_t stream) {
+  with_dtype(out_dtype, [&](auto out) {
+    elementwise_kernel<decltype(out), Src>
+        <<<grid_for(r.items * ((r.len + kPacket - 1) / kPacket), kThreads), kThreads, 0,
+           stream>>>(src, r);
+    QCOLL_CUDA_CHECK(cudaGetLastError());
+  });
+}
+
+}  // namespace
+
+void encode_chunks(const EncodeArgs& a) {
+  DeviceGuard guard(a.device.index);
+  const auto stream = static_cast<cudaStream_t>(a.device.stream);
+  const int64_t esize = static_cast<int64_t>(dtype_size(a.dtype));
+  with_dtype(a.dtype, [&](auto elem) {
+    using E = decltype(elem);
+    SliceSource<E> src{};
+    src.input = static_cast<const typename E::Bits*>(a.input);
+    src.partition_elems = a.partition_elems;
+    src.slice_begin = a.slice_begin;
+    src.node_size = a.node_size;
+    src.nodes = a.nodes;
+    src.vec = aligned(a.input, 16) && (a.partition_elems * esize) % 16 == 0 &&
+              (a.slice_begin * esize) % 16 == 0;
+    if (a.fmt.quantized()) {
+      const QuantChunks c = quant_chunks(a.output, a.chunk_stride, a.count, a.fmt, a.len);
+      with_bits(a.fmt.bits, [&](auto bits) { launch_team<decltype(bits)::value>(src, c, stream); });
+      return;
+    }
+    const RawRuns r = raw_runs(a.output, a.chunk_stride, a.count, a.fmt.raw_dtype, a.len,
+                               a.fmt.chunk_bytes(a.len));
+    if (a.fmt.raw_dtype == a.dtype) {
+      copy_kernel<E><<<grid_for(r.items * ((r.len + kPacket - 1) / kPacket), kThreads), kThreads,
+                       0, stream>>>(src, r);
+      QCOLL_CUDA_CHECK(cudaGetLastError());
+    } else {
+      launch_elementwise(src, r, a.fmt.raw_dtype, stream);
+    }
+  });
+}
+
+void reduce_chunks(const ReduceArgs& a) {
+  DeviceGuard guard(a.device.index);
+  const auto stream = static_cast<cudaStream_t>(a.device.stream);
+  const SumLayout layout{a.input, a.source_stride, a.output_in_stride, a.sources, a.divisor};
+
+  // The output side, given the source.
+  const auto run = [&](const auto& src) {
+    using Src = std::decay_t<decltype(src)>;
+    if (a.out_values) {
+      const int64_t esize = static_cast<int64_t>(dtype_size(a.out_dtype));
+      const RawRuns r = raw_runs(a.out_values, a.out_values_stride * esize, a.outputs,
+                                 a.out_dtype, a.len, a.len * esize);
+      return launch_elementwise(src, r, a.out_dtype, stream);
+    }
+    if (!a.out_fmt.quantized()) {
+      const RawRuns r = raw_runs(a.out_wire, a.out_chunk_stride, a.outputs, a.out_fmt.raw_dtype,
+                                 a.len, a.out_fmt.chunk_bytes(a.len));
+      return launch_elementwise(src, r, a.out_fmt.raw_dtype, stream);
+    }
+    const QuantChunks c = quant_chunks(a.out_wire, a.out_chunk_stride, a.outputs, a.out_fmt, a.len);
+    with_bits(a.out_fmt.bits, [&](auto bits) { launch_team<decltype(bits)::value, Src>(src, c, stream); });
+  };
+
+  if (a.in_fmt.quantized()) {
+    const int64_t in_bits = a.in_fmt.bits;
+    const bool vec = runs_aligned(a.input, a.source_stride, a.sources, in_bits) &&
+                     runs_aligned(a.input, a.output_in_stride, a.outputs, in_bits);
+    with_bits(a.in_fmt.bits, [&](auto bits) {
+      QuantSumSource<decltype(bits)::value> src{};
+      src.l = layout;
+      src.scales_offset = a.in_fmt.scales_offset(a.len);
+      src.group_size = a.in_fmt.group_size;
+      src.vec = vec;
+      run(src);
+    });
+    return;
+  }
+  const bool vec = runs_aligned(a.input, a.source_stride, a.sources, 16) &&
+                   runs_aligned(a.input, a.output_in_stride, a.outputs, 16);
+  with_dtype(a.in_fmt.raw_dtype, [&](auto elem) {
+    RawSumSource<decltype(elem)> src{};
+    src.l = layout;
+    src.vec = vec;
+    run(src);
+  });
+}
+
+}  // namespace cuda
+}  // namespace qcoll
