@@ -1,5 +1,7 @@
 // Build-time capabilities and the CPU side of qcoll.build_info().
 #include "qcoll/device.h"
+#include "qcoll/error.h"
+#include "qcoll/lanes.h"
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -24,6 +26,11 @@ int openmp_max_threads() {
 }
 
 #if !defined(QCOLL_WITH_CUDA)
+std::unique_ptr<StreamLanes> make_stream_lanes(const Device&) {
+  QCOLL_ARG_CHECK(false, "CUDA stream lanes requested but qcoll was built without CUDA");
+  return nullptr;
+}
+
 bool cuda_compiled() { return false; }
 std::vector<int> cuda_archs() { return {}; }
 int cuda_device_count() { return 0; }

@@ -1,0 +1,35 @@
+// The collectives, written once against Communicator + the wire kernels. Callers
+// (the Python layer) allocate the output and the workspace the plan asks for, and pass
+// every buffer as a BufferRef so that any transport can address it.
+#pragma once
+
+#include "qcoll/comm.h"
+#include "qcoll/plan.h"
+
+namespace qcoll {
+
+struct CollectiveBuffers {
+  BufferRef input;
+  BufferRef output;
+  BufferRef workspace;  // plan.workspace_bytes() bytes
+};
+
+// output = the n elements of every member, member order; every rank's output is identical
+// (its own slice also goes through the codec).
+void all_gather(const AllGatherPlan& plan, const CollectiveBuffers& buffers, DType dtype,
+                Communicator& comm, const Device& device, Traffic& traffic);
+
+// output (n elements) = op over members of their input partition rank (input holds
+// world * n elements). Flat plan: one all-to-all over `world`. Two-hop plan: intra-node
+// all-to-all over `intra` with the slices reordered (Algorithm 2 of ZeRO++), fused
+// dequantize-reduce-quantize, inter-node all-to-all over `inter`, dequantize-reduce.
+// Raw flat plan (bits 0, one hop): the transport's own reduce-scatter.
+void reduce_scatter(const ReduceScatterPlan& plan, const CollectiveBuffers& buffers, DType dtype,
+                    ReduceOp op, Communicator& world, Communicator* intra, Communicator* inter,
+                    const Device& device, Traffic& traffic);
+
+// Process-wide byte counters read by qcoll.stats().
+Traffic& allgather_traffic();
+Traffic& reduce_scatter_traffic();
+
+}  // namespace qcoll

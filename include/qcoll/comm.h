@@ -1,0 +1,91 @@
+// The one transport interface the collectives are written against. Two implementations:
+// raw NCCL communicators (src/comm/nccl_comm.*) and any torch.distributed ProcessGroup,
+// reached through Python callbacks (src/python/torch_comm.*).
+//
+// Members are numbered 0..size()-1 within the communicator. Every call is collective:
+// all members call it with the same sizes. Byte counts handed to the transport are
+// recorded in the Traffic passed with the call, split by whether the peer shares this
+// rank's node (one accounting rule for every path: the bytes this rank must deliver to
+// each other member, as if exchanged directly).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+#include "qcoll/device.h"
+#include "qcoll/dtype.h"
+
+namespace qcoll {
+
+enum class ReduceOp : int32_t { kSum = 0, kAvg = 1 };
+
+// A buffer passed to the transport. Transports that address memory by pointer (NCCL) use
+// `ptr`; the torch transport addresses the caller's tensors by (buffer id, byte offset),
+// since Python cannot make a tensor out of a raw pointer.
+struct BufferRef {
+  void* ptr = nullptr;
+  int32_t buffer = -1;
+  int64_t offset = 0;
+
+  BufferRef at(int64_t bytes) const {
+    return BufferRef{static_cast<char*>(ptr) + bytes, buffer, offset + bytes};
+  }
+};
+
+struct Traffic {
+  std::atomic<int64_t> calls{0};
+  std::atomic<int64_t> intra_bytes{0};
+  std::atomic<int64_t> inter_bytes{0};
+
+  void reset() {
+    calls = 0;
+    intra_bytes = 0;
+    inter_bytes = 0;
+  }
+};
+
+class Communicator {
+ public:
+  // member_is_local[p]: member p runs on this rank's node (true for this rank itself).
+  Communicator(int rank, int size, std::vector<bool> member_is_local);
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  bool is_local(int member) const { return member_is_local_[member]; }
+  int local_peers() const { return local_peers_; }  // other members on this node
+  // True when GPU exchanges are enqueued on the stream of the Device passed with each call
+  // (NCCL); false when the transport orders itself after the framework's current stream.
+  virtual bool uses_call_stream() const { return false; }
+
+  // Block p (bytes_per_peer bytes) of send goes to member p; block q of recv comes from q.
+  void all_to_all(BufferRef send, BufferRef recv, int64_t bytes_per_peer, const Device& dev,
+                  Traffic& traffic);
+  // recv holds size() blocks of `bytes`, block q from member q.
+  void all_gather(BufferRef send, BufferRef recv, int64_t bytes, const Device& dev,
+                  Traffic& traffic);
+  // The transport's own reduce-scatter: send holds size() * count elements, recv count.
+  void reduce_scatter(BufferRef send, BufferRef recv, int64_t count, DType dtype, ReduceOp op,
+                      const Device& dev, Traffic& traffic);
+
+ protected:
+  virtual void do_all_to_all(BufferRef send, BufferRef recv, int64_t bytes_per_peer,
+                             const Device& dev) = 0;
+  virtual void do_all_gather(BufferRef send, BufferRef recv, int64_t bytes,
+                             const Device& dev) = 0;
+  virtual void do_reduce_scatter(BufferRef send, BufferRef recv, int64_t count, DType dtype,
+                                 ReduceOp op, const Device& dev) = 0;
+
+ private:
+  void count(int64_t bytes_per_peer, Traffic& traffic) const;
+
+  int rank_;
+  int size_;
+  std::vector<bool> member_is_local_;
+  int local_peers_ = 0;
+};
+
+}  // namespace qcoll

@@ -1,0 +1,53 @@
+// qwZ all-gather: encode this rank's tensor once, all-gather the chunks, decode every
+// chunk (this rank's included, so all ranks hold bit-identical results).
+#include "qcoll/collectives.h"
+#include "qcoll/error.h"
+#include "qcoll/wire.h"
+
+namespace qcoll {
+
+void all_gather(const AllGatherPlan& plan, const CollectiveBuffers& b, DType dtype,
+                Communicator& comm, const Device& device, Traffic& traffic) {
+  QCOLL_CHECK(comm.size() == plan.world, "plan for ", plan.world, " ranks, communicator of ",
+              comm.size());
+  traffic.calls += 1;
+  if (!plan.fmt.quantized()) {  // the baseline: the transport's own all-gather
+    comm.all_gather(b.input, b.output, plan.n * static_cast<int64_t>(dtype_size(dtype)), device,
+                    traffic);
+    return;
+  }
+  if (plan.n == 0) return;
+  const int64_t chunk = plan.chunk();
+  const BufferRef recv = b.workspace;
+  const BufferRef send = b.workspace.at(plan.send());
+
+  EncodeArgs enc;
+  enc.input = b.input.ptr;
+  enc.dtype = dtype;
+  enc.partition_elems = plan.n;
+  enc.len = plan.n;
+  enc.count = 1;
+  enc.fmt = plan.fmt;
+  enc.output = static_cast<uint8_t*>(send.ptr);
+  enc.chunk_stride = chunk;
+  enc.device = device;
+  encode_chunks(enc);
+
+  comm.all_gather(send, recv, chunk, device, traffic);
+
+  ReduceArgs dec;
+  dec.input = static_cast<const uint8_t*>(recv.ptr);
+  dec.in_fmt = plan.fmt;
+  dec.len = plan.n;
+  dec.sources = 1;
+  dec.source_stride = chunk;
+  dec.outputs = plan.world;
+  dec.output_in_stride = chunk;
+  dec.out_values = b.output.ptr;
+  dec.out_dtype = dtype;
+  dec.out_values_stride = plan.n;
+  dec.device = device;
+  reduce_chunks(dec);
+}
+
+}  // namespace qcoll

@@ -1,0 +1,57 @@
+#include "qcoll/plan.h"
+
+#include "qcoll/error.h"
+
+namespace qcoll {
+
+namespace {
+
+WireFormat wire(int32_t bits, int64_t group_size, DType dtype) {
+  WireFormat f;
+  f.bits = bits;
+  f.group_size = group_size;
+  f.raw_dtype = dtype;
+  validate(f);
+  return f;
+}
+
+}  // namespace
+
+ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t n, DType dtype,
+                                      int32_t intra_bits, int32_t inter_bits, int64_t group_size,
+                                      int32_t stages, int32_t hierarchical) {
+  QCOLL_ARG_CHECK(world >= 1 && node_size >= 1 && world % node_size == 0, "node_size ",
+                  node_size, " must divide the group size ", world);
+  QCOLL_ARG_CHECK(n >= 0, "output numel must be >= 0, got ", n);
+  QCOLL_ARG_CHECK(stages >= 1, "pipeline_stages must be >= 1, got ", stages);
+  ReduceScatterPlan p;
+  p.world = world;
+  p.node_size = node_size;
+  p.nodes = world / node_size;
+  const bool layered = p.nodes > 1 && node_size > 1;
+  p.two_hop = layered && hierarchical != 0;
+  p.stages = stages;
+  p.n = n;
+  p.slice = (n + stages - 1) / stages;
+  if (p.two_hop) {
+    p.first = wire(intra_bits, group_size, dtype);
+    p.second = wire(inter_bits, group_size, dtype);
+  } else {
+    // One hop: it crosses nodes whenever the group spans several.
+    p.first = wire(p.nodes > 1 ? inter_bits : intra_bits, group_size, dtype);
+    p.second = p.first;
+  }
+  return p;
+}
+
+AllGatherPlan plan_all_gather(int32_t world, int64_t n, DType dtype, int32_t bits,
+                              int64_t group_size) {
+  QCOLL_ARG_CHECK(n >= 0, "input numel must be >= 0, got ", n);
+  AllGatherPlan p;
+  p.world = world;
+  p.n = n;
+  p.fmt = wire(bits, group_size, dtype);
+  return p;
+}
+
+}  // namespace qcoll
