@@ -15,6 +15,9 @@ def build_info() -> dict:
 
     Keys: ``version``, ``cuda`` (CUDA kernels compiled in), ``cuda_archs`` (SM versions),
     ``cuda_runtime``, ``openmp``, ``openmp_threads``, ``cuda_available`` (a usable GPU right
-    now, as seen by qcoll's own CUDA runtime) and ``cuda_device_count``.
+    now, as seen by qcoll's own CUDA runtime), ``cuda_device_count`` and ``nccl`` (the
+    version of the NCCL library the raw-NCCL backend would use, "" when none loads).
     """
-    return dict(_static_info())
+    from ._nccl import nccl_version
+
+    return dict(_static_info(), nccl=nccl_version())

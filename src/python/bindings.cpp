@@ -7,9 +7,15 @@
 
 #include <cstdint>
 
+#include "qcoll/collectives.h"
 #include "qcoll/device.h"
 #include "qcoll/kernels.h"
+#include "qcoll/nccl_api.h"
 #include "qcoll/wire.h"
+#include "torch_comm.h"
+#if defined(QCOLL_WITH_CUDA)
+#include "comm/nccl_comm.h"
+#endif
 
 namespace py = pybind11;
 
@@ -121,6 +127,116 @@ void reduce_chunks(uintptr_t input, int in_bits, int64_t group_size, int raw_dty
   qcoll::reduce_chunks(a);
 }
 
+// Buffers of one collective call, in the order the Python transport numbers them.
+qcoll::CollectiveBuffers collective_buffers(uintptr_t input, uintptr_t output, uintptr_t workspace) {
+  qcoll::CollectiveBuffers b;
+  b.input = qcoll::BufferRef{ptr(input), 0, 0};
+  b.output = qcoll::BufferRef{ptr(output), 1, 0};
+  b.workspace = qcoll::BufferRef{ptr(workspace), 2, 0};
+  return b;
+}
+
+py::dict traffic_dict(const qcoll::Traffic& t) {
+  py::dict d;
+  d["calls"] = t.calls.load();
+  d["intra_bytes"] = t.intra_bytes.load();
+  d["inter_bytes"] = t.inter_bytes.load();
+  return d;
+}
+
+void bind_collectives(py::module_& m) {
+  using qcoll::Communicator;
+  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("size", &Communicator::size)
+      .def("is_local", &Communicator::is_local);
+  py::class_<qcoll::TorchCommunicator, Communicator, std::shared_ptr<qcoll::TorchCommunicator>>(
+      m, "TorchCommunicator")
+      .def(py::init<int, int, std::vector<bool>, py::object>(), py::arg("rank"), py::arg("size"),
+           py::arg("member_is_local"), py::arg("transport"));
+#if defined(QCOLL_WITH_CUDA)
+  // Construction blocks in ncclCommInitRank until every rank joined: release the GIL.
+  py::class_<qcoll::NcclCommunicator, Communicator, std::shared_ptr<qcoll::NcclCommunicator>>(
+      m, "NcclCommunicator")
+      .def(py::init<const std::string&, int, int, std::vector<bool>, int>(),
+           py::call_guard<py::gil_scoped_release>(), py::arg("unique_id"), py::arg("rank"),
+           py::arg("size"), py::arg("member_is_local"), py::arg("device"))
+      .def_property_readonly("device", &qcoll::NcclCommunicator::device)
+      .def_property_readonly("nccl_version", &qcoll::NcclCommunicator::nccl_version)
+      .def("abort", &qcoll::NcclCommunicator::abort);
+#endif
+  m.def("nccl_version", &qcoll::nccl::nccl_version_string);
+  m.def("nccl_unique_id", [] { return py::bytes(qcoll::nccl::nccl_unique_id()); });
+
+  py::class_<qcoll::ReduceScatterPlan>(m, "ReduceScatterPlan")
+      .def_readonly("two_hop", &qcoll::ReduceScatterPlan::two_hop)
+      .def_readonly("stages", &qcoll::ReduceScatterPlan::stages)
+      .def_readonly("slice", &qcoll::ReduceScatterPlan::slice)
+      .def_property_readonly("first_bits", [](const qcoll::ReduceScatterPlan& p) { return p.first.bits; })
+      .def_property_readonly("second_bits", [](const qcoll::ReduceScatterPlan& p) { return p.second.bits; })
+      .def("first_chunk", &qcoll::ReduceScatterPlan::first_chunk)
+      .def("second_chunk", &qcoll::ReduceScatterPlan::second_chunk)
+      .def("slice_len", &qcoll::ReduceScatterPlan::slice_len)
+      .def_property_readonly("workspace_bytes", &qcoll::ReduceScatterPlan::workspace_bytes);
+  m.def(
+      "plan_reduce_scatter",
+      [](int world, int node_size, int64_t n, int dtype, int intra_bits, int inter_bits,
+         int64_t group_size, int stages, int hierarchical) {
+        return qcoll::plan_reduce_scatter(world, node_size, n, static_cast<qcoll::DType>(dtype),
+                                          intra_bits, inter_bits, group_size, stages, hierarchical);
+      },
+      py::arg("world"),
+        py::arg("node_size"), py::arg("n"), py::arg("dtype"), py::arg("intra_bits"),
+        py::arg("inter_bits"), py::arg("group_size"), py::arg("stages"), py::arg("hierarchical"));
+  py::class_<qcoll::AllGatherPlan>(m, "AllGatherPlan")
+      .def_property_readonly("chunk", &qcoll::AllGatherPlan::chunk)
+      .def_property_readonly("workspace_bytes", &qcoll::AllGatherPlan::workspace_bytes);
+  m.def(
+      "plan_all_gather",
+      [](int world, int64_t n, int dtype, int bits, int64_t group_size) {
+        return qcoll::plan_all_gather(world, n, static_cast<qcoll::DType>(dtype), bits, group_size);
+      },
+      py::arg("world"), py::arg("n"),
+        py::arg("dtype"), py::arg("bits"), py::arg("group_size"));
+
+  m.def(
+      "all_gather",
+      [](const qcoll::AllGatherPlan& plan, Communicator& comm, int dtype, uintptr_t input,
+         uintptr_t output, uintptr_t workspace, int device_kind, int device_index,
+         uintptr_t stream) {
+        qcoll::all_gather(plan, collective_buffers(input, output, workspace),
+                          static_cast<qcoll::DType>(dtype), comm,
+                          device(device_kind, device_index, stream), qcoll::allgather_traffic());
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("plan"), py::arg("comm"),
+      py::arg("dtype"), py::arg("input"), py::arg("output"), py::arg("workspace"),
+      py::arg("device_kind"), py::arg("device_index"), py::arg("stream"));
+  m.def(
+      "reduce_scatter",
+      [](const qcoll::ReduceScatterPlan& plan, Communicator& world, Communicator* intra,
+         Communicator* inter, int dtype, int op, uintptr_t input, uintptr_t output,
+         uintptr_t workspace, int device_kind, int device_index, uintptr_t stream) {
+        qcoll::reduce_scatter(plan, collective_buffers(input, output, workspace),
+                              static_cast<qcoll::DType>(dtype), static_cast<qcoll::ReduceOp>(op),
+                              world, intra, inter, device(device_kind, device_index, stream),
+                              qcoll::reduce_scatter_traffic());
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("plan"), py::arg("world"),
+      py::arg("intra").none(true), py::arg("inter").none(true), py::arg("dtype"), py::arg("op"),
+      py::arg("input"), py::arg("output"), py::arg("workspace"), py::arg("device_kind"),
+      py::arg("device_index"), py::arg("stream"));
+  m.def("stats", []() {
+    py::dict d;
+    d["allgather"] = traffic_dict(qcoll::allgather_traffic());
+    d["reduce_scatter"] = traffic_dict(qcoll::reduce_scatter_traffic());
+    return d;
+  });
+  m.def("reset_stats", []() {
+    qcoll::allgather_traffic().reset();
+    qcoll::reduce_scatter_traffic().reset();
+  });
+}
+
 py::dict build_info() {
   py::dict d;
   d["version"] = QCOLL_VERSION;
@@ -162,6 +278,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out_values_stride"), py::arg("device_kind"), py::arg("device_index"),
         py::arg("stream"));
   m.def("build_info", &build_info);
+  bind_collectives(m);
   m.attr("GROUP_SIZE_MULTIPLE") = qcoll::kGroupSizeMultiple;
   m.attr("MAX_GROUP_SIZE") = qcoll::kMaxGroupSize;
 }

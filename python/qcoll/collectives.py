@@ -1,0 +1,190 @@
+"""qcoll.quantized_allgather and qcoll.quantized_reduce_scatter.
+
+Every argument is checked here, on every rank, before any communication; the algorithms
+themselves run in the C++ core (src/collectives/) over the group's communicator."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from ._device import device_args
+from ._dtypes import dtype_code
+from .group import Group, resolve_group
+from .quantization import check_group_size
+
+OPS = {"sum": 0, "avg": 1}
+
+
+class Work:
+    """Handle of an async_op=True call. On GPU, wait() makes the caller's current stream
+    wait for the collective (the host is never blocked); on CPU the call has completed."""
+
+    def __init__(self, event: Optional[torch.cuda.Event] = None, keep_alive=()):
+        self._event = event
+        self._keep_alive = keep_alive  # workspaces the device may still be using
+
+    def wait(self) -> bool:
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event is None or self._event.query()
+
+
+def _check_bits(bits, name: str) -> int:
+    """Wire bits: 4 or 8 quantize, None sends the input dtype (0 for the core)."""
+    if bits is None:
+        return 0
+    if isinstance(bits, bool) or bits not in (4, 8):
+        raise ValueError(f"{name} must be 4, 8 or None (no quantization), got {bits!r}")
+    return int(bits)
+
+
+def _check_pair(output, input, expected_out: int, expected_in: int, what: str) -> int:
+    for name, t in (("output", output), ("input", input)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_contiguous():
+            raise ValueError(f"{what}: {name} must be contiguous")
+    code = dtype_code(input.dtype, f"{what}: input")
+    if output.dtype != input.dtype:
+        raise ValueError(f"{what}: output dtype {output.dtype} does not match input dtype {input.dtype}")
+    if output.device != input.device:
+        raise ValueError(f"{what}: output is on {output.device} but input is on {input.device}")
+    if output.numel() != expected_out or input.numel() != expected_in:
+        raise ValueError(f"{what}: {_size_rule(what)}; got output.numel()={output.numel()}, "
+                         f"input.numel()={input.numel()}")
+    return code
+
+
+def _size_rule(what: str) -> str:
+    if what == "quantized_allgather":
+        return "output.numel() must equal group size * input.numel()"
+    return "input.numel() must equal group size * output.numel()"
+
+
+def _group_size(group) -> int:
+    """The group's size without creating a qcoll.Group (arguments are checked first)."""
+    if isinstance(group, Group):
+        return group.size
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a qcoll.Group, a torch ProcessGroup or None, got {type(group).__name__}")
+    return dist.get_world_size(group)
+
+
+def _debug_check(group: Group, meta: tuple) -> None:
+    """QCOLL_DEBUG=1: compare the call's metadata across ranks and raise on a mismatch
+    (instead of hanging or corrupting data inside the transport)."""
+    if os.environ.get("QCOLL_DEBUG", "0") in ("", "0") or group.size == 1:
+        return
+    metas = [None] * group.size
+    dist.all_gather_object(metas, meta, group=group.pg)
+    if any(m != metas[0] for m in metas):
+        lines = "\n".join(f"  rank {r}: {m}" for r, m in enumerate(metas))
+        raise ValueError(f"qcoll: ranks disagree on {meta[0]} arguments:\n{lines}")
+
+
+def _run(group: Group, device: torch.device, tensors, launch, async_op: bool):
+    comm = group.communicator(device)
+    kind, index, stream = device_args(tensors[0], "input")
+    group._buffers.set(*tensors)
+    try:
+        launch(comm, kind, index, stream)
+    finally:
+        group._buffers.clear()
+    if not async_op:
+        return None
+    if device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return Work(event, keep_alive=tensors)
+    return Work()
+
+
+@functools.lru_cache(maxsize=1024)
+def _allgather_plan(size, n, code, bits, group_size):
+    return _C.plan_all_gather(size, n, code, bits, group_size)
+
+
+@functools.lru_cache(maxsize=1024)
+def _reduce_scatter_plan(size, node_size, n, code, intra, inter, group_size, stages, hierarchical):
+    return _C.plan_reduce_scatter(size, node_size, n, code, intra, inter, group_size, stages, hierarchical)
+
+
+def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *, bits: Optional[int] = 8,
+                        group_size: Optional[int] = None, async_op: bool = False):
+    """all_gather_into_tensor semantics: output = concatenation of every rank's input, in
+    rank order. bits=8/4 block-quantizes what travels (every rank, this one included,
+    dequantizes the same bytes, so all outputs are bit-identical); bits=None is the
+    transport's own all-gather in the input dtype."""
+    size = _group_size(group)
+    n = input.numel() if isinstance(input, torch.Tensor) else 0
+    code = _check_pair(output, input, size * n, n, "quantized_allgather")
+    wire_bits = _check_bits(bits, "bits")
+    group_size = check_group_size(group_size)
+    g = resolve_group(group)
+    _debug_check(g, ("quantized_allgather", n, output.numel(), str(input.dtype), bits, group_size))
+    plan = _allgather_plan(g.size, n, code, wire_bits, group_size)
+    workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=input.device)
+
+    def launch(comm, kind, index, stream):
+        _C.all_gather(plan, comm, code, input.data_ptr(), output.data_ptr(), workspace.data_ptr(),
+                      kind, index, stream)
+
+    return _run(g, input.device, (input, output, workspace), launch, async_op)
+
+
+def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, op: str = "avg",
+                             intra_bits: Optional[int] = 8, inter_bits: Optional[int] = 4,
+                             group_size: Optional[int] = None, pipeline_stages: Optional[int] = None,
+                             hierarchical: Optional[bool] = None, async_op: bool = False):
+    """reduce_scatter_tensor semantics: rank r's output = op over ranks of
+    input[r*n:(r+1)*n], n = output.numel(). op: "avg" (true mean) or "sum"; reduced in fp32.
+
+    Several nodes: 2-hop (intra-node all-to-all at intra_bits, fp32 reduce, inter-node
+    all-to-all at inter_bits), pipelined over pipeline_stages slices. One node, or
+    hierarchical=False: one all-to-all at intra_bits (one node) or inter_bits (several).
+    bits=None sends the input dtype; with hierarchical=False and the one hop unquantized
+    this is the transport's own reduce-scatter.
+    """
+    size = _group_size(group)
+    n = output.numel() if isinstance(output, torch.Tensor) else 0
+    code = _check_pair(output, input, n, size * n, "quantized_reduce_scatter")
+    if op not in OPS:
+        raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
+    intra = _check_bits(intra_bits, "intra_bits")
+    inter = _check_bits(inter_bits, "inter_bits")
+    group_size = check_group_size(group_size)
+    stages = 1 if pipeline_stages is None else pipeline_stages
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"pipeline_stages must be a positive int or None, got {pipeline_stages!r}")
+    if hierarchical not in (None, True, False):
+        raise ValueError(f"hierarchical must be True, False or None, got {hierarchical!r}")
+    g = resolve_group(group)
+    _debug_check(g, ("quantized_reduce_scatter", n, input.numel(), str(input.dtype), op, intra_bits,
+                     inter_bits, group_size, stages, hierarchical))
+    hier = -1 if hierarchical is None else int(hierarchical)
+    plan = _reduce_scatter_plan(g.size, g.node_size, n, code, intra, inter, group_size, stages, hier)
+    workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=input.device)
+    intra_comm = g.intra.communicator(input.device) if plan.two_hop else None
+    inter_comm = g.inter.communicator(input.device) if plan.two_hop else None
+    op_code = OPS[op]
+
+    def launch(comm, kind, index, stream):
+        for sub in (g.intra, g.inter) if plan.two_hop else ():
+            sub._buffers.set(input, output, workspace)
+        try:
+            _C.reduce_scatter(plan, comm, intra_comm, inter_comm, code, op_code, input.data_ptr(),
+                              output.data_ptr(), workspace.data_ptr(), kind, index, stream)
+        finally:
+            for sub in (g.intra, g.inter) if plan.two_hop else ():
+                sub._buffers.clear()
+
+    return _run(g, input.device, (input, output, workspace), launch, async_op)

@@ -1,0 +1,17 @@
+"""Bytes this rank handed to the transport, per collective, since the last reset."""
+
+from . import _C
+
+
+def stats() -> dict:
+    """{"allgather": {"calls", "intra_bytes", "inter_bytes"}, "reduce_scatter": {...}}.
+
+    One rule for every path, baseline included: the bytes this rank must deliver to each
+    peer, as if exchanged directly (payload, scales and padding counted), split by whether
+    the peer is on this rank's node (intra) or another node (inter).
+    """
+    return _C.stats()
+
+
+def reset_stats() -> None:
+    _C.reset_stats()
