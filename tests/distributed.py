@@ -1,0 +1,70 @@
+"""Run a function on several gloo ranks spawned from a test.
+
+Workers come from a forkserver that has imported torch and qcoll once, so a spawn costs
+a fraction of a second; each run gets its own FileStore, and a hung run is killed and
+reported instead of stalling the suite."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+
+_CTX = mp.get_context("forkserver")
+# pytest too: workers are functions of test modules, which import it (~0.25 s a process).
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "qcoll", "pytest"])
+
+
+def _worker(fn, rank, world, store_path, env, args, results):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env.get(rank, {}))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        out = fn(rank, world, *args)
+        dist.barrier()
+        dist.destroy_process_group()
+        # Plain pickle copies tensor data: the queue's own pickler would pass tensors as
+        # shared-memory handles, which die with this process.
+        results.put((rank, "ok", pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(world: int, fn, *args, env=None, timeout: float = 120.0) -> list:
+    """fn(rank, world, *args) on `world` gloo ranks; returns the per-rank results.
+
+    env: optional {rank: {VAR: value}} set in that rank before init. A failing rank's
+    traceback is raised as AssertionError in the test; a hang past `timeout` fails too.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        results = _CTX.Queue()
+        procs = [_CTX.Process(target=_worker, args=(fn, r, world, store, env or {}, args, results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        collected = {}
+        try:
+            for _ in range(world):
+                rank, status, payload = results.get(timeout=timeout)
+                if status == "error":
+                    raise AssertionError(f"rank {rank} failed:\n{payload}")
+                collected[rank] = pickle.loads(payload)
+        except queue.Empty:
+            missing = sorted(set(range(world)) - set(collected))
+            raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang?)") from None
+        finally:
+            deadline = time.monotonic() + 10  # for all of them, not 10 s each
+            for p in procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        return [collected[r] for r in range(world)]

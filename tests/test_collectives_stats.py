@@ -1,0 +1,193 @@
+"""qcoll.stats(): bytes each rank must deliver to each peer, against hand-computed volumes.
+
+The wire layout (include/qcoll/wire.h): a quantized chunk of L elements is its codes
+(ceil(L * bits / 8) bytes) padded to 16, then one fp32 scale per group padded to 16; a raw
+chunk is L * itemsize bytes padded to 16. Peers on this rank's node count as intra, the
+others as inter. Per call:
+  baseline all-gather of S bytes per rank:  S per peer
+  baseline reduce-scatter (n outputs):      n * itemsize per peer
+  quantized all-gather:                     one chunk of n per peer
+  flat 1-hop reduce-scatter:                per stage, one chunk of the slice per peer
+  2-hop reduce-scatter:                     per stage, `nodes` chunks (intra format) per
+                                            local peer, one chunk (inter format) per node
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+import qcoll
+from distributed import run_ranks
+
+BF16, F32, F16 = torch.bfloat16, torch.float32, torch.float16
+
+
+def ru(x: int) -> int:
+    return -(-x // 16) * 16
+
+
+def qchunk(length: int, bits: int, group_size: int = 256) -> int:
+    return ru(-(-length * bits // 8)) + ru(4 * -(-length // group_size))
+
+
+def rawchunk(length: int, dtype: torch.dtype) -> int:
+    return ru(length * dtype.itemsize)
+
+
+def chunk(length: int, bits, dtype: torch.dtype, group_size: int = 256) -> int:
+    return rawchunk(length, dtype) if bits is None else qchunk(length, bits, group_size)
+
+
+def slices(n: int, stages: int) -> list:
+    step = -(-n // stages) if n else 0
+    return [min(n, (s + 1) * step) - s * step for s in range(stages) if s * step < n]
+
+
+def expected_reduce_scatter(world, ns, n, dtype, intra_bits, inter_bits, group_size, stages,
+                            hierarchical):
+    """(intra_bytes, inter_bytes) of one reduce-scatter, from the contract."""
+    nodes = world // ns
+    local, remote = ns - 1, world - ns
+    two_hop = nodes > 1 and ns > 1 and hierarchical is not False
+    if two_hop:
+        intra = sum(local * nodes * chunk(L, intra_bits, dtype, group_size) for L in slices(n, stages))
+        inter = sum((nodes - 1) * chunk(L, inter_bits, dtype, group_size) for L in slices(n, stages))
+        return intra, inter
+    bits = inter_bits if nodes > 1 else intra_bits
+    if bits is None:  # the transport's own reduce-scatter: output bytes per peer
+        return local * n * dtype.itemsize, remote * n * dtype.itemsize
+    per_peer = sum(qchunk(L, bits, group_size) for L in slices(n, stages))
+    return local * per_peer, remote * per_peer
+
+
+def expected_allgather(world, ns, n, dtype, bits, group_size):
+    per_peer = n * dtype.itemsize if bits is None else qchunk(n, bits, group_size)
+    return (ns - 1) * per_peer, (world - ns) * per_peer
+
+
+def _zero():
+    return {"calls": 0, "intra_bytes": 0, "inter_bytes": 0}
+
+
+def _stats_worker(rank, world, ns, rs_cases, ag_cases):
+    g = qcoll.new_group(node_size=ns)
+    report = []
+    for case in rs_cases:
+        n, dtype = case["n"], case["dtype"]
+        qcoll.reset_stats()
+        assert qcoll.stats() == {"allgather": _zero(), "reduce_scatter": _zero()}, "reset"
+        out = torch.empty(n, dtype=dtype)
+        x = torch.ones(world * n, dtype=dtype)
+        kw = {k: v for k, v in case.items() if k not in ("n", "dtype")}
+        qcoll.quantized_reduce_scatter(out, x, g, **kw)
+        qcoll.quantized_reduce_scatter(out, x, g, **kw)
+        intra, inter = expected_reduce_scatter(
+            world, ns, n, dtype, kw.get("intra_bits", 8), kw.get("inter_bits", 4),
+            kw.get("group_size") or qcoll.DEFAULT_GROUP_SIZE, kw.get("pipeline_stages") or 1, kw.get("hierarchical"))
+        want = {"allgather": _zero(),
+                "reduce_scatter": {"calls": 2, "intra_bytes": 2 * intra, "inter_bytes": 2 * inter}}
+        got = qcoll.stats()
+        assert got == want, f"reduce_scatter {case}: stats {got}, expected {want}"
+        report.append(("rs", case, got["reduce_scatter"]))
+    for case in ag_cases:
+        n, dtype, bits = case["n"], case["dtype"], case["bits"]
+        gs = case.get("group_size")
+        sub = case.get("sub")  # all-gather over g.intra (hpZ) or g.inter
+        grp = {None: g, "intra": g.intra, "inter": g.inter}[sub]
+        qcoll.reset_stats()
+        out = torch.empty(grp.size * n, dtype=dtype)
+        qcoll.quantized_allgather(out, torch.ones(n, dtype=dtype), grp, bits=bits, group_size=gs)
+        gw, gns = {None: (world, ns), "intra": (ns, ns), "inter": (world // ns, 1)}[sub]
+        intra, inter = expected_allgather(gw, gns, n, dtype, bits, gs or qcoll.DEFAULT_GROUP_SIZE)
+        want = {"allgather": {"calls": 1, "intra_bytes": intra, "inter_bytes": inter},
+                "reduce_scatter": _zero()}
+        got = qcoll.stats()
+        assert got == want, f"allgather {case}: stats {got}, expected {want}"
+        report.append(("ag", case, got["allgather"]))
+    qcoll.reset_stats()
+    assert qcoll.stats() == {"allgather": _zero(), "reduce_scatter": _zero()}
+    return report
+
+
+RS_CASES = [
+    dict(n=1000, dtype=BF16, intra_bits=None, inter_bits=None, hierarchical=False),  # baseline
+    dict(n=1000, dtype=BF16, intra_bits=None, inter_bits=None),  # 2-hop raw where layered
+    dict(n=1000, dtype=BF16),  # int8 / int4 defaults
+    dict(n=1000, dtype=F32, intra_bits=8, inter_bits=4, pipeline_stages=4),
+    dict(n=1001, dtype=F16, intra_bits=4, inter_bits=8, pipeline_stages=3, group_size=8),
+    dict(n=1000, dtype=BF16, intra_bits=8, inter_bits=4, hierarchical=False),  # flat, int4
+    dict(n=7, dtype=F32, intra_bits=8, inter_bits=8, hierarchical=True, pipeline_stages=4),
+    dict(n=5, dtype=F32, intra_bits=8, inter_bits=None, pipeline_stages=4),  # slices 2,2,1
+    dict(n=0, dtype=F32),
+    dict(n=0, dtype=BF16, intra_bits=None, inter_bits=None, hierarchical=False),
+]
+AG_CASES = [
+    dict(n=1000, dtype=BF16, bits=None),  # baseline: S = 2000 bytes per peer
+    dict(n=1000, dtype=F32, bits=8),
+    dict(n=1001, dtype=F16, bits=4, group_size=64),
+    dict(n=0, dtype=F32, bits=8),
+    dict(n=1000, dtype=BF16, bits=8, sub="intra"),  # hpZ: inside the node only
+    dict(n=13, dtype=F32, bits=None, sub="intra"),
+    dict(n=1000, dtype=BF16, bits=8, sub="inter"),
+]
+
+
+@pytest.mark.parametrize("world,ns", [(1, 1), (2, 2), (2, 1), (4, 2), (6, 2), (6, 3)])
+def test_stats_match_hand_computed_volumes(world, ns):
+    reports = run_ranks(world, _stats_worker, ns, RS_CASES, AG_CASES, timeout=60)
+    assert all(rep == reports[0] for rep in reports), "every rank delivers the same volume"
+    if world == 4 and ns == 2:
+        assert qcoll.DEFAULT_GROUP_SIZE == 256, "the spot values below assume group_size 256"
+        # Spot values computed by hand (world 4 = 2 nodes x 2, n = 1000, group 256).
+        by = {(kind, repr(case)): st for kind, case, st in reports[0]}
+        # Baseline bf16: 2000 bytes to each peer (1 local, 2 remote), twice.
+        assert by["rs", repr(RS_CASES[0])] == {"calls": 2, "intra_bytes": 4000, "inter_bytes": 8000}
+        # 2-hop int8/int4: int8 chunk 1008 + 16 = 1024, two per local peer; int4 chunk
+        # 512 + 16 = 528 to the one remote peer.
+        assert by["rs", repr(RS_CASES[2])] == {"calls": 2, "intra_bytes": 4096, "inter_bytes": 1056}
+        # Flat 1-hop at int4 crosses nodes from every rank: 528 to each of 3 peers.
+        assert by["rs", repr(RS_CASES[5])] == {"calls": 2, "intra_bytes": 1056, "inter_bytes": 2112}
+        # Baseline all-gather: S = 2000 bytes per peer.
+        assert by["ag", repr(AG_CASES[0])] == {"calls": 1, "intra_bytes": 2000, "inter_bytes": 4000}
+        # hpZ: the all-gather inside the node sends nothing across nodes.
+        assert by["ag", repr(AG_CASES[4])] == {"calls": 1, "intra_bytes": 1024, "inter_bytes": 0}
+
+
+def _ratio_worker(rank, world, ns, n):
+    g = qcoll.new_group(node_size=ns)
+    x = torch.randn(world * n).to(BF16)
+    out = torch.empty(n, dtype=BF16)
+    res = {}
+    for name, kw in {"baseline": dict(intra_bits=None, inter_bits=None, hierarchical=False),
+                     "two_hop": dict(intra_bits=8, inter_bits=4),
+                     "flat_int4": dict(intra_bits=8, inter_bits=4, hierarchical=False)}.items():
+        qcoll.reset_stats()
+        qcoll.quantized_reduce_scatter(out, x, g, **kw)
+        res[name] = qcoll.stats()["reduce_scatter"]
+    return res
+
+
+@pytest.mark.parametrize("world,ns", [(4, 2), (8, 4)])
+def test_cross_node_volume_ratio(world, ns):
+    """2-hop int4 vs flat bf16 across nodes: 4x from the bits, ns x from the hierarchy."""
+    n, gs = 4096, qcoll.DEFAULT_GROUP_SIZE
+    assert gs == 256, "the hand-computed numbers below assume the default group size 256"
+    nodes = world // ns
+    res = run_ranks(world, _ratio_worker, ns, n)[0]
+    base, two, flat4 = res["baseline"]["inter_bytes"], res["two_hop"]["inter_bytes"], res["flat_int4"]["inter_bytes"]
+    assert base == (world - ns) * n * 2  # bf16 output bytes to each remote peer
+    assert two == (nodes - 1) * (n // 2 + 4 * (n // gs))  # one int4 chunk per remote node
+    assert flat4 == (world - ns) * (n // 2 + 4 * (n // gs))
+    ratio = Fraction(two, base)
+    # bytes per element 1/2 + 4/gs vs 2, and one peer per node instead of ns
+    assert ratio == Fraction(1, 2 * ns) * (Fraction(1, 2) + Fraction(4, gs))
+    assert ratio == Fraction(33, 128 * ns)  # (1/2 + 1/64) / (2 * ns)
+    if (world, ns) == (4, 2):
+        assert (base, two) == (16384, 2112) and float(ratio) == 0.12890625
+    assert Fraction(two, flat4) == Fraction(1, ns)
+    # Intra bytes: 2-hop sends nodes int8 chunks to each local peer.
+    assert res["two_hop"]["intra_bytes"] == (ns - 1) * nodes * (n + 4 * (n // gs))
+    assert res["baseline"]["intra_bytes"] == (ns - 1) * n * 2
