@@ -11,6 +11,7 @@ Environment knobs (all optional):
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,19 +45,14 @@ class CMakeBuild(build_ext):
         ]
         if "QCOLL_CUDA_ARCHS" in os.environ:
             cfg.append(f"-DQCOLL_CUDA_ARCHS={os.environ['QCOLL_CUDA_ARCHS']}")
-        if self._has_ninja():
-            cfg.append("-GNinja")
+        ninja = shutil.which("ninja")
+        if ninja:
+            # Named explicitly: a cache from an earlier isolated build env points at a ninja
+            # that no longer exists.
+            cfg += ["-GNinja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
         jobs = os.environ.get("QCOLL_BUILD_JOBS", str(os.cpu_count() or 2))
         subprocess.run(["cmake", str(ROOT), *cfg], cwd=build_dir, check=True)
         subprocess.run(["cmake", "--build", ".", "--parallel", jobs], cwd=build_dir, check=True)
-
-    @staticmethod
-    def _has_ninja() -> bool:
-        try:
-            subprocess.run(["ninja", "--version"], check=True, capture_output=True)
-            return True
-        except (OSError, subprocess.CalledProcessError):
-            return False
 
 
 setup(
