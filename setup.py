@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -60,7 +60,7 @@ setup(
     version=VERSION,
     description="Quantized collectives for sharded data-parallel training (ZeRO++ style)",
     package_dir={"": "python"},
-    packages=["qcoll"],
+    packages=find_packages("python"),
     ext_modules=[CMakeExtension("qcoll._C")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.9",

@@ -1,0 +1,64 @@
+"""ZeroConfig: which ZeRO++ techniques the engine uses, and its mixed-precision policy."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+_COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """Every technique can be switched on and off independently; one that is off does what
+    plain ZeRO-3 does (the transport's own collective in the compute dtype).
+
+    qwz: forward all-gather of weights block-quantized at ``weight_bits``.
+    hpz: after forward, keep a secondary shard of the gathered weights partitioned over
+        ``hpz_group_size`` ranks of the node (default: the node size); the backward
+        all-gather runs inside that group (no cross-node bytes).
+    qgz: gradient reduce-scatter quantized (``grad_intra_bits`` inside the node,
+        ``grad_inter_bits`` across), 2-hop and pipelined over ``grad_pipeline_stages``.
+    compute_dtype: dtype of the gathered weights, activations and gradients; fp32 master
+        weights, optimizer state and gradient shards always.
+    loss_scale: fp16 only. None: dynamic (start ``initial_loss_scale``, halve on overflow,
+        double after ``loss_scale_window`` good steps); a float: static.
+    max_grad_norm: clip the global gradient norm (None: no clipping).
+    prefetch: issue the next submodule's all-gather while the current one computes.
+    """
+
+    qwz: bool = True
+    hpz: bool = True
+    qgz: bool = True
+    compute_dtype: torch.dtype = torch.bfloat16
+    weight_bits: int = 8
+    grad_intra_bits: int = 8
+    grad_inter_bits: int = 4
+    grad_pipeline_stages: int = 2
+    hpz_group_size: Optional[int] = None
+    prefetch: bool = True
+    group_size: Optional[int] = None
+    max_grad_norm: Optional[float] = None
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2.0**16
+    loss_scale_window: int = 1000
+
+    def __post_init__(self):
+        if self.compute_dtype not in _COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {self.compute_dtype}")
+        for name in ("weight_bits", "grad_intra_bits", "grad_inter_bits"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in (4, 8):
+                raise ValueError(f"{name} must be 4 or 8, got {value!r}")
+        if isinstance(self.grad_pipeline_stages, bool) or not isinstance(self.grad_pipeline_stages, int) \
+                or self.grad_pipeline_stages < 1:
+            raise ValueError(f"grad_pipeline_stages must be a positive int, got {self.grad_pipeline_stages!r}")
+        if self.hpz_group_size is not None and (not isinstance(self.hpz_group_size, int)
+                                                or self.hpz_group_size < 1):
+            raise ValueError(f"hpz_group_size must be a positive int or None, got {self.hpz_group_size!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
+        if self.loss_scale is not None and not self.loss_scale > 0:
+            raise ValueError(f"loss_scale must be > 0 or None (dynamic), got {self.loss_scale!r}")

@@ -1,0 +1,95 @@
+"""One ZeRO-3 unit: the parameters a module owns directly, flattened into one buffer and
+partitioned over the group.
+
+Each rank keeps the fp32 master shard (what the optimizer updates), its compute-dtype copy
+(what the all-gathers send) and the fp32 gradient shard. The full compute-dtype buffer
+exists only while the unit is in use: its storage is resized to 0 when freed and back when
+gathered, so the parameter views (and tensors autograd saved) stay valid across gathers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+
+
+class FlatUnit:
+    def __init__(self, index: int, module: nn.Module, params: List[nn.Parameter], names: List[str],
+                 world: int, rank: int, compute_dtype: torch.dtype):
+        for name, p in zip(names, params):
+            if not p.is_floating_point():
+                raise TypeError(f"parameter {name} has dtype {p.dtype}; ZeRO-3 shards floating-point "
+                                "parameters only")
+        self.index = index
+        self.module = module
+        self.params = params
+        self.names = names
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [0]
+        for n in self.numels[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = sum(self.numels)
+        self.shard_numel = max(1, math.ceil(self.numel / world))  # padded: world * shard_numel
+        self.padded_numel = world * self.shard_numel
+        self.rank = rank
+        self.compute_dtype = compute_dtype
+        device = params[0].device
+
+        flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for p, off, n in zip(params, self.offsets, self.numels):
+                flat[off:off + n].copy_(p.detach().reshape(-1))
+        begin = rank * self.shard_numel
+        self.master = nn.Parameter(flat[begin:begin + self.shard_numel].clone())
+        self.compute_shard = self.master.detach().to(compute_dtype)
+        self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
+        self.secondary: Optional[torch.Tensor] = None  # hpZ's copy of part of `full`
+        self.requires_grad = any(p.requires_grad for p in params)
+        self.gathered = False
+        self.users = 0  # modules currently running forward with this unit
+        self.pending = None  # Work of a prefetch in flight
+        self.grads_ready = 0
+        self.reduced = False  # this backward's reduce-scatter done
+        for p, off, n, shape in zip(params, self.offsets, self.numels, self.shapes):
+            p.data = self.full[off:off + n].view(shape)
+        self.free()
+
+    # ---- full buffer lifetime ----------------------------------------------------------
+    def allocate(self) -> None:
+        storage = self.full.untyped_storage()
+        nbytes = self.padded_numel * self.full.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def free(self) -> None:
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    # ---- gradients ---------------------------------------------------------------------
+    def flat_grad(self) -> torch.Tensor:
+        """This rank's gradient of the whole unit, in the compute dtype, padded."""
+        grad = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.full.device)
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            if p.grad is not None:
+                grad[off:off + n].copy_(p.grad.reshape(-1))
+                p.grad = None
+        return grad
+
+    def accumulate_grad_shard(self, shard: torch.Tensor) -> None:
+        shard = shard.float()
+        if self.master.grad is None:
+            self.master.grad = shard
+        else:
+            self.master.grad.add_(shard)
+
+    # ---- after the optimizer step ----------------------------------------------------------
+    def refresh_compute_shard(self) -> None:
+        self.compute_shard.copy_(self.master.detach())
+
+    def unflatten(self, flat: torch.Tensor) -> dict:
+        return {name: flat[off:off + n].view(shape).clone()
+                for name, off, n, shape in zip(self.names, self.offsets, self.numels, self.shapes)}
