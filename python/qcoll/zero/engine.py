@@ -225,8 +225,9 @@ class ZeroEngine:
         if self.scaler.enabled:
             for g in grads:
                 g.div_(self.scaler.scale)
-            overflow = torch.tensor([0.0 if all(torch.isfinite(g).all() for g in grads) else 1.0])
-            dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self._cpu_group())
+            overflow = torch.tensor([0.0 if all(torch.isfinite(g).all() for g in grads) else 1.0],
+                                    device=self._flag_device())
+            dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.group.pg)
             self.scaler.update(bool(overflow.item()))
             if overflow.item():
                 self.zero_grad()
@@ -240,11 +241,11 @@ class ZeroEngine:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale the gradient shards so the global norm is at most max_norm; returns the norm."""
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=self._flag_device())
         for u in self.units:
             if u.master.grad is not None:
-                sq += u.master.grad.double().pow(2).sum().cpu()
-        dist.all_reduce(sq, group=self._cpu_group())
+                sq += u.master.grad.double().pow(2).sum().to(sq.device)
+        dist.all_reduce(sq, group=self.group.pg)
         norm = float(sq.sqrt())
         if norm > max_norm:
             for u in self.units:
@@ -256,8 +257,11 @@ class ZeroEngine:
         for unit in self.units:
             unit.master.grad = None
 
-    def _cpu_group(self):
-        return self.group.pg
+    def _flag_device(self) -> torch.device:
+        """Where the small all-reduced tensors live: the GPU for an NCCL group, else the CPU."""
+        if self.group.pg is not None and dist.get_backend(self.group.pg) == "nccl" and self.units:
+            return self.units[0].master.device
+        return torch.device("cpu")
 
     # ---- inspection ------------------------------------------------------------------
     @torch.no_grad()
