@@ -1,9 +1,17 @@
 """qcoll benchmarks: one entry point for every suite.
 
-    python bench/run.py SUITE [--quick] [--json PATH]
+    python bench/run.py SUITE [--quick] [--json PATH] [--plot PATH] [--device DEV]
+
+Suites:
+  kernels      GB/s of every qcoll kernel next to the copy bandwidth of the same run
+  group_size   error / scale-overhead trade-off behind the default group size
+  collectives  qcoll's all-gather / reduce-scatter vs torch.distributed's, local ranks
+  cluster      the collectives on an emulated cluster (network namespaces, tc-throttled
+               links between nodes); needs root and `ip`/`tc`
 
 The last line printed is `RESULT {json}`; --json also writes the result, with the command,
-machine and date, to PATH (e.g. bench/results/<suite>-<machine>.json).
+machine and date, to PATH (e.g. bench/results/<suite>-<machine>.json); --plot writes a PNG
+chart (matplotlib, Agg backend). A long run shows a progress bar on a terminal.
 """
 
 from __future__ import annotations
@@ -22,9 +30,25 @@ import torch  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 import qcoll  # noqa: E402
-from suites import group_size, kernels  # noqa: E402
+from suites import cluster, collectives, group_size, kernels  # noqa: E402
+from timing import parse_sizes  # noqa: E402
 
-SUITES = {"kernels": kernels, "group_size": group_size}
+# Each suite module provides run(quick, progress, **options) -> dict, table(result) -> lines,
+# and plot(result, path). Options a suite does not take are refused (see OPTIONS).
+SUITES = {
+    "kernels": kernels,
+    "group_size": group_size,
+    "collectives": collectives,
+    "cluster": cluster,
+    # "zero": a ZeRO-3 training step per configuration (fp32 / qwZ / qwZ+hpZ / qwZ+hpZ+qgZ),
+    # to be added with the engine in python/qcoll/zero/ (suites/zero.py, same interface).
+}
+OPTIONS = {  # suite -> the options of this command line it understands
+    "kernels": {"sizes", "device"},
+    "group_size": set(),
+    "collectives": {"sizes", "device"},
+    "cluster": {"sizes"},
+}
 
 
 def cpu_model() -> str:
@@ -39,8 +63,8 @@ def cpu_model() -> str:
 
 
 def machine() -> dict:
-    info = {"host": platform.node(), "cpu": cpu_model(),
-            "cpus": os.cpu_count(), "torch": torch.__version__, "qcoll": qcoll.build_info()}
+    info = {"host": platform.node(), "cpu": cpu_model(), "cpus": os.cpu_count(),
+            "kernel": platform.release(), "torch": torch.__version__, "qcoll": qcoll.build_info()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -51,11 +75,24 @@ def main() -> None:
     parser.add_argument("suite", choices=sorted(SUITES))
     parser.add_argument("--quick", action="store_true", help="fewer sizes, for a fast look")
     parser.add_argument("--json", metavar="PATH", help="also write the result here")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG chart of the result here")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
+                        help="kernels: devices to measure (auto: CPU, and CUDA when present); "
+                             "collectives: cpu = gloo ranks (default), cuda = NCCL ranks on GPU 0")
+    # Hidden: comma-separated byte sizes (64K, 4M, 1G suffixes) instead of the suite's ladder
+    # (the smoke test uses it).
+    parser.add_argument("--sizes", type=parse_sizes, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    options = {k: getattr(args, k) for k in ("sizes", "device") if getattr(args, k) is not None}
+    unknown = set(options) - OPTIONS[args.suite]
+    if unknown:
+        parser.error(f"suite {args.suite!r} does not take --{', --'.join(sorted(unknown))}")
+
     suite = SUITES[args.suite]
+    load_before = os.getloadavg()
     with Progress(transient=True) as progress:
-        result = suite.run(args.quick, progress)
+        result = suite.run(args.quick, progress, **options)
     for line in suite.table(result):
         print(line)
     record = {
@@ -63,13 +100,17 @@ def main() -> None:
         "command": "python " + shlex.join(sys.argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
+        # Other jobs on a shared machine skew timings: the 1-minute load before and after.
+        "loadavg_1min": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "quick": args.quick,
         **result,
     }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
-    print("RESULT " + json.dumps(record))
+    if args.plot:
+        suite.plot(record, args.plot)
+    print("RESULT " + json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":

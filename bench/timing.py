@@ -56,3 +56,20 @@ def size_ladder(lo: int, hi: int, quick: bool) -> Sequence[int]:
         sizes.append(s)
         s *= step
     return sizes
+
+
+def parse_sizes(text: str) -> list:
+    """'64K,4M,1G' or '65536' -> byte counts (K/M/G are powers of 1024)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = []
+    for part in text.split(","):
+        part = part.strip().upper().removesuffix("B")
+        scale = units.get(part[-1:], 1)
+        value = part[:-1] if part[-1:] in units else part
+        try:
+            sizes.append(int(float(value) * scale))
+        except ValueError:
+            raise ValueError(f"bad size {part!r}: use bytes, or a number with K, M or G") from None
+    if not sizes or min(sizes) <= 0:
+        raise ValueError("sizes must be positive")
+    return sizes

@@ -49,3 +49,9 @@ def table(result: dict) -> list:
         lines.append(f"{gs:6d} {bits:4d} {d['gaussian']['overhead']:9.2%} "
                      f"{d['gaussian']['rel_rms_error']:10.2e} {d['outliers']['rel_rms_error']:10.2e}")
     return lines
+
+
+def plot(result: dict, path: str) -> None:
+    from plotting import group_size_chart
+
+    group_size_chart(result, path)

@@ -1,21 +1,50 @@
 """`kernels` suite: GB/s of each qcoll kernel next to the copy bandwidth of the same
-device, measured in the same run (bytes read + bytes written over time)."""
+device, measured in the same run (bytes read + bytes written over time).
+
+Kernels, at each size S (the bytes of the values a kernel works on):
+  quantize / dequantize int8, int4      S bytes of fp32 or bf16 values <-> codes + scales
+  swizzled quantize int8                encode_chunks with Algorithm 2's slice reordering
+                                        (node_size 2 x 2 nodes, 4 chunks): the first step
+                                        of the 2-hop reduce-scatter
+  dq-reduce-q int8 xK -> int4           reduce_chunks with out_wire: decode K wire chunks
+                                        (int8, S/4 elements each), sum in fp32, re-encode at
+                                        int4 (the fused intra-node step, K = node size)
+  dq-reduce int4 x2 -> fp32/bf16        reduce_chunks with out_values: decode 2 int4 chunks,
+                                        sum, write S bytes of values (the last hop)
+Bytes moved = every byte a kernel must read plus every byte it writes (values, codes,
+scales, wire padding). Inputs rotate through >= 256 MB of buffers so caches do not flatter
+small sizes beyond what a real caller sees; outputs are reused (no fresh-page faults).
+"""
 
 from __future__ import annotations
 
 import torch
 
 import qcoll
+from qcoll import _C
 from timing import copies_for, human_bytes, median_seconds, size_ladder
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+TARGET_FRAC = 0.5  # of the copy bandwidth, on CPU (measured and reported, never asserted)
+MEMORY_BOUND = 64 << 20  # sizes from here on exceed every cache of the dev machine
 
 
-def _devices() -> list:
-    devs = [torch.device("cpu")]
-    if torch.cuda.is_available() and qcoll.build_info()["cuda_available"]:
-        devs.append(torch.device("cuda"))
-    return devs
+def _devices(choice) -> list:
+    have_cuda = torch.cuda.is_available() and qcoll.build_info()["cuda_available"]
+    if choice == "cpu":
+        return [torch.device("cpu")]
+    if choice == "cuda":
+        if not have_cuda:
+            raise SystemExit("--device cuda: no CUDA device, or qcoll was built without CUDA")
+        return [torch.device("cuda")]
+    return [torch.device("cpu")] + ([torch.device("cuda")] if have_cuda else [])
+
+
+def _dev_args(device: torch.device) -> tuple:
+    if device.type == "cuda":
+        return 1, device.index or 0, torch.cuda.current_stream(device).cuda_stream
+    return 0, 0, 0
 
 
 def _copy_gbps(nbytes: int, device: torch.device) -> float:
@@ -27,9 +56,9 @@ def _copy_gbps(nbytes: int, device: torch.device) -> float:
     return 2 * n * 4 / t / 1e9
 
 
-def _kernel_rows(nbytes: int, device: torch.device, dtype_name: str, bits: int):
+def _quantize_rows(nbytes: int, device: torch.device, dtype_name: str, bits: int):
     dtype = DTYPES[dtype_name]
-    n = nbytes // torch.empty((), dtype=dtype).element_size()
+    n = nbytes // dtype.itemsize
     rot = copies_for(nbytes)
     xs = [torch.randn(n, device=device).to(dtype) for _ in range(rot)]
     qs = [qcoll.quantize(x, bits=bits) for x in xs]
@@ -39,33 +68,158 @@ def _kernel_rows(nbytes: int, device: torch.device, dtype_name: str, bits: int):
     t_q = median_seconds(lambda i: qcoll.quantize(xs[i], bits=bits, out=qs[i]), device, rotate=rot)
     t_dq = median_seconds(lambda i: qcoll.dequantize(qs[i], out=out), device, rotate=rot)
     moved = nbytes + q_bytes  # read input + write codes/scales (and the reverse)
-    yield f"quantize int{bits}", moved / t_q / 1e9
-    yield f"dequantize int{bits}", moved / t_dq / 1e9
+    yield f"quantize int{bits}", dtype_name, moved / t_q / 1e9
+    yield f"dequantize int{bits}", dtype_name, moved / t_dq / 1e9
 
 
-def run(quick: bool, progress) -> dict:
+def _swizzle_row(nbytes: int, device: torch.device, dtype_name: str, bits: int = 8,
+                 node_size: int = 2, nodes: int = 2):
+    """encode_chunks as the reduce-scatter's first step: count partitions, swizzled."""
+    dtype = DTYPES[dtype_name]
+    count = node_size * nodes
+    part = nbytes // dtype.itemsize // count
+    gs = qcoll.DEFAULT_GROUP_SIZE
+    chunk = _C.wire_chunk_bytes(bits, gs, CODES[dtype], part)
+    rot = copies_for(nbytes)
+    xs = [torch.randn(count * part, device=device).to(dtype) for _ in range(rot)]
+    out = torch.empty(count * chunk, dtype=torch.uint8, device=device)
+    dev = _dev_args(device)
+
+    def call(i):
+        _C.encode_chunks(xs[i].data_ptr(), CODES[dtype], part, 0, part, count, node_size, nodes,
+                         bits, gs, out.data_ptr(), chunk, *dev)
+
+    t = median_seconds(call, device, rotate=rot)
+    moved = count * part * dtype.itemsize + count * chunk
+    return f"swizzled quantize int{bits}", dtype_name, moved / t / 1e9
+
+
+def _wire_sources(n: int, sources: int, bits: int, device: torch.device, rot: int):
+    """`rot` buffers of `sources` consecutive wire chunks of n random fp32 values each."""
+    gs = qcoll.DEFAULT_GROUP_SIZE
+    chunk = _C.wire_chunk_bytes(bits, gs, 0, n)
+    dev = _dev_args(device)
+    bufs = []
+    for _ in range(rot):
+        x = torch.randn(sources * n, device=device)
+        buf = torch.empty(sources * chunk, dtype=torch.uint8, device=device)
+        _C.encode_chunks(x.data_ptr(), 0, n, 0, n, sources, 0, 1, bits, gs, buf.data_ptr(), chunk, *dev)
+        bufs.append(buf)
+    return bufs, chunk
+
+
+def _reduce_requant_row(nbytes: int, device: torch.device, sources: int, in_bits: int = 8,
+                        out_bits: int = 4):
+    """reduce_chunks(out_wire): dequantize `sources` chunks, sum in fp32, re-quantize."""
+    n = nbytes // 4
+    gs = qcoll.DEFAULT_GROUP_SIZE
+    rot = copies_for(sources * _C.wire_chunk_bytes(in_bits, gs, 0, n))
+    bufs, chunk = _wire_sources(n, sources, in_bits, device, rot)
+    out_chunk = _C.wire_chunk_bytes(out_bits, gs, 0, n)
+    out = torch.empty(out_chunk, dtype=torch.uint8, device=device)
+    dev = _dev_args(device)
+
+    def call(i):
+        _C.reduce_chunks(bufs[i].data_ptr(), in_bits, gs, 0, n, sources, chunk, 1, 0, 1.0,
+                         out.data_ptr(), out_bits, out_chunk, 0, 0, 0, *dev)
+
+    t = median_seconds(call, device, rotate=rot)
+    moved = sources * chunk + out_chunk
+    return f"dq-reduce-q int{in_bits}x{sources}->int{out_bits}", "fp32", moved / t / 1e9
+
+
+def _reduce_values_row(nbytes: int, device: torch.device, dtype_name: str, sources: int = 2,
+                       in_bits: int = 4):
+    """reduce_chunks(out_values): dequantize `sources` chunks, sum, write values."""
+    dtype = DTYPES[dtype_name]
+    n = nbytes // dtype.itemsize
+    gs = qcoll.DEFAULT_GROUP_SIZE
+    rot = copies_for(nbytes)
+    bufs, chunk = _wire_sources(n, sources, in_bits, device, rot)
+    out = torch.empty(n, dtype=dtype, device=device)
+    dev = _dev_args(device)
+
+    def call(i):
+        _C.reduce_chunks(bufs[i].data_ptr(), in_bits, gs, CODES[dtype], n, sources, chunk, 1, 0,
+                         float(sources), 0, 0, 0, out.data_ptr(), CODES[dtype], n, *dev)
+
+    t = median_seconds(call, device, rotate=rot)
+    moved = sources * chunk + n * dtype.itemsize
+    return f"dq-reduce int{in_bits}x{sources}", dtype_name, moved / t / 1e9
+
+
+def _rows_at(nbytes: int, device: torch.device):
+    for dtype_name in DTYPES:
+        for bits in (8, 4):
+            yield from _quantize_rows(nbytes, device, dtype_name, bits)
+    for dtype_name in DTYPES:
+        yield _swizzle_row(nbytes, device, dtype_name)
+    for sources in (2, 4):
+        yield _reduce_requant_row(nbytes, device, sources)
+    for dtype_name in DTYPES:
+        yield _reduce_values_row(nbytes, device, dtype_name)
+
+
+def run(quick: bool, progress, sizes=None, device=None) -> dict:
     rows = []
-    sizes = size_ladder(64 << 10, 256 << 20, quick)
-    devices = _devices()
-    total = len(devices) * len(sizes)
-    task = progress.add_task("kernels", total=total)
-    for device in devices:
+    sizes = sizes or size_ladder(64 << 10, 256 << 20, quick)
+    devices = _devices(device or "auto")
+    task = progress.add_task("kernels", total=len(devices) * len(sizes))
+    for dev in devices:
         for nbytes in sizes:
-            copy = _copy_gbps(nbytes, device)
-            rows.append(dict(device=device.type, kernel="copy", dtype="fp32", bytes=nbytes,
+            copy = _copy_gbps(nbytes, dev)
+            rows.append(dict(device=dev.type, kernel="copy", dtype="fp32", bytes=nbytes,
                              gbps=copy, frac_of_copy=1.0))
-            for dtype_name in DTYPES:
-                for bits in (8, 4):
-                    for kernel, gbps in _kernel_rows(nbytes, device, dtype_name, bits):
-                        rows.append(dict(device=device.type, kernel=kernel, dtype=dtype_name,
-                                         bytes=nbytes, gbps=gbps, frac_of_copy=gbps / copy))
+            for kernel, dtype_name, gbps in _rows_at(nbytes, dev):
+                rows.append(dict(device=dev.type, kernel=kernel, dtype=dtype_name, bytes=nbytes,
+                                 gbps=gbps, frac_of_copy=gbps / copy))
             progress.advance(task)
-    return {"rows": rows, "group_size": qcoll.DEFAULT_GROUP_SIZE}
+    return {"rows": rows, "group_size": qcoll.DEFAULT_GROUP_SIZE, "targets": targets(rows)}
+
+
+def targets(rows: list) -> dict:
+    """CPU kernels >= 50% of copy bandwidth: every (kernel, dtype, size) that misses it, by
+    how much, split into memory-bound sizes (>= 64 MB) and cache-resident ones."""
+    cpu = [r for r in rows if r["device"] == "cpu" and r["kernel"] != "copy"]
+    missed = [dict(kernel=r["kernel"], dtype=r["dtype"], bytes=r["bytes"],
+                   frac_of_copy=round(r["frac_of_copy"], 3),
+                   short_by=round(TARGET_FRAC - r["frac_of_copy"], 3))
+              for r in cpu if r["frac_of_copy"] < TARGET_FRAC]
+    big = [m for m in missed if m["bytes"] >= MEMORY_BOUND]
+    return {
+        "cpu_kernels_frac_of_copy": {
+            "target": TARGET_FRAC,
+            "measured_rows": len(cpu),
+            "met_everywhere": not missed,
+            # None: no memory-bound size was measured (e.g. --quick --sizes 1M)
+            "met_memory_bound": (not big) if any(r["bytes"] >= MEMORY_BOUND for r in cpu) else None,
+            "missed_memory_bound": big,
+            "missed_cache_resident": [m for m in missed if m["bytes"] < MEMORY_BOUND],
+        }
+    }
+
+
+def _verdict(met) -> str:
+    return "not measured" if met is None else ("met" if met else "MISSED")
 
 
 def table(result: dict) -> list:
-    lines = [f"{'device':6} {'kernel':16} {'dtype':5} {'size':>9} {'GB/s':>8} {'of copy':>8}"]
+    lines = [f"{'device':6} {'kernel':24} {'dtype':5} {'size':>9} {'GB/s':>8} {'of copy':>8}"]
     for r in result["rows"]:
-        lines.append(f"{r['device']:6} {r['kernel']:16} {r['dtype']:5} {human_bytes(r['bytes']):>9} "
+        lines.append(f"{r['device']:6} {r['kernel']:24} {r['dtype']:5} {human_bytes(r['bytes']):>9} "
                      f"{r['gbps']:8.2f} {r['frac_of_copy']:8.0%}")
+    t = result.get("targets", {}).get("cpu_kernels_frac_of_copy")
+    if t:
+        big = t["missed_memory_bound"]
+        lines.append(f"target: CPU kernels >= {t['target']:.0%} of copy; memory-bound sizes "
+                     f"(>= {human_bytes(MEMORY_BOUND)}): {_verdict(t['met_memory_bound'])}"
+                     + "".join(f"\n  missed: {m['kernel']} {m['dtype']} {human_bytes(m['bytes'])} at "
+                               f"{m['frac_of_copy']:.0%} (short by {m['short_by']:.0%})" for m in big)
+                     + f"\n  cache-resident sizes below target: {len(t['missed_cache_resident'])} rows")
     return lines
+
+
+def plot(result: dict, path: str) -> None:
+    from plotting import kernels_chart
+
+    kernels_chart(result, path)
