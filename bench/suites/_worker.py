@@ -1,0 +1,271 @@
+"""One rank of the collectives benchmark (started by _ranks.launch, never by hand).
+
+    python bench/suites/_worker.py CONFIG.json RANK
+
+For every size and collective it times torch.distributed's own call, the same baseline
+through qcoll (bits=None, hierarchical=False: the transport's collective, with qcoll's byte
+accounting), and qcoll's quantized call, one after the other in this process, on the same
+ranks and inputs. Rank 0 prints `PROGRESS done total` lines and writes the rows as JSON to
+the config's "out" path."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import zlib
+
+import torch
+import torch.distributed as dist
+
+import qcoll
+from qcoll import _C
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# torch's all_gather_into_tensor / reduce_scatter_tensor; torch >= 2.9 names them
+# all_gather_single / reduce_scatter_single and deprecates the old names (same collective).
+TORCH_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+TORCH_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _values(seed: tuple, n: int, dtype, device) -> torch.Tensor:
+    """Gaussian values of one (rank, partition, size): any rank can regenerate any rank's."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr(seed).encode()))
+    return torch.randn(n, generator=g).to(dtype).to(device)
+
+
+def _tx_bytes(iface) -> int:
+    if not iface:
+        return 0
+    with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+class Bench:
+    def __init__(self, cfg: dict, rank: int):
+        self.cfg, self.rank, self.world = cfg, rank, cfg["world"]
+        self.device = torch.device(cfg["device"])
+        # The node's one bound interface carries exactly its cross-node traffic (ranks of a
+        # node reach each other over loopback); its first rank reads the counter.
+        self.iface = cfg.get("iface") if rank % cfg["node_size"] == 0 else None
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def allsum(self, values, op=dist.ReduceOp.SUM) -> list:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op)
+        return t.tolist()
+
+    def time(self, fn) -> dict:
+        """Median over repeats of the slowest rank's time; the node's egress bytes per call.
+        Calls under 20 ms (on rank 0's warm-up) get 4x the repeats: they are the noisiest."""
+        t0 = time.perf_counter()
+        for _ in range(self.cfg["warmup"]):
+            fn()
+        self.sync()
+        quick_call = (time.perf_counter() - t0) / max(1, self.cfg["warmup"]) < 0.02
+        repeats = self.cfg["repeats"] * (4 if self.allsum([float(quick_call)], op=dist.ReduceOp.MIN)[0] else 1)
+        dist.barrier()
+        tx0 = _tx_bytes(self.iface)
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            self.sync()
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t0)
+        faults1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        dist.barrier()
+        tx = (_tx_bytes(self.iface) - tx0) / repeats
+        slowest = self.allsum(times, op=dist.ReduceOp.MAX)
+        per_node_tx = [0.0] * (self.world // self.cfg["node_size"])
+        if self.iface:
+            per_node_tx[self.rank // self.cfg["node_size"]] = tx
+        per_node_tx = self.allsum(per_node_tx)
+        out = {"time_s": statistics.median(slowest), "times_s": slowest,
+               "page_faults_per_call": (faults1 - faults0) / repeats}
+        if self.cfg.get("iface"):
+            out["wire_bytes_per_node"] = max(per_node_tx)  # what the busiest uplink carried
+            out["wire_bytes"] = sum(per_node_tx)
+        return out
+
+    def accounted(self, fn, key: str) -> dict:
+        """qcoll.stats() of one call, summed over ranks (every rank's bytes to its peers)."""
+        qcoll.reset_stats()
+        fn()
+        s = qcoll.stats()[key]
+        intra, inter = self.allsum([s["intra_bytes"], s["inter_bytes"]])
+        return {"intra_bytes": intra, "inter_bytes": inter}
+
+    def error(self, out: torch.Tensor, exact: torch.Tensor) -> float:
+        d = (out.double().cpu() - exact)
+        num, den = self.allsum([float(d.pow(2).sum()), float(exact.pow(2).sum())])
+        return (num / den) ** 0.5 if den else 0.0
+
+
+def _dev_args(device) -> tuple:
+    if device.type == "cuda":
+        return 1, device.index or 0, torch.cuda.current_stream(device).cuda_stream
+    return 0, 0, 0
+
+
+def _phase_times(b: "Bench", parts: dict, workspace_bytes: int, device) -> dict:
+    if device.type == "cpu":
+        # The call allocates its workspace each time; past glibc's mmap threshold (at most
+        # 32 MB) those are fresh pages, faulted in and zeroed by the kernel on first touch.
+        parts = dict(parts, workspace=lambda: torch.empty(workspace_bytes, dtype=torch.uint8)[::4096].fill_(0))
+    return {name: b.time(fn)["time_s"] for name, fn in parts.items()}
+
+
+def rs_phases(b: "Bench", group, inp, out, n: int) -> dict:
+    """The default qgZ reduce-scatter (one stage, int8 then int4) taken apart, each part run
+    alone on every rank at once: its three kernels back to back, the intra-node all-to-all,
+    the inter-node all-to-all (the bytes of the real call's two hops)."""
+    code, gs = CODES[inp.dtype], qcoll.DEFAULT_GROUP_SIZE
+    world, ns = b.world, b.cfg["node_size"]
+    nodes = world // ns
+    c1, c2 = _C.wire_chunk_bytes(8, gs, code, n), _C.wire_chunk_bytes(4, gs, code, n)
+    u8 = dict(dtype=torch.uint8, device=inp.device)
+    send1, recv1 = torch.empty(world * c1, **u8), torch.empty(world * c1, **u8)
+    send2, recv2 = torch.empty(nodes * c2, **u8), torch.empty(nodes * c2, **u8)
+    dev = _dev_args(inp.device)
+
+    def kernels():
+        _C.encode_chunks(inp.data_ptr(), code, n, 0, n, world, ns, nodes, 8, gs, send1.data_ptr(), c1, *dev)
+        # send1 has recv1's layout (node_size sources of nodes chunks): valid wire data.
+        _C.reduce_chunks(send1.data_ptr(), 8, gs, code, n, ns, nodes * c1, nodes, c1, 1.0,
+                         send2.data_ptr(), 4, c2, 0, code, 0, *dev)
+        _C.reduce_chunks(send2.data_ptr(), 4, gs, code, n, nodes, c2, 1, 0, float(world), 0, 0, 0,
+                         out.data_ptr(), code, 0, *dev)
+
+    ws = _C.plan_reduce_scatter(world, ns, n, code, 8, 4, gs, 1, -1).workspace_bytes
+    return _phase_times(b, {
+        "kernels": kernels,
+        "intra_hop": lambda: dist.all_to_all_single(recv1, send1, group=group.intra.pg),
+        "inter_hop": lambda: dist.all_to_all_single(recv2, send2, group=group.inter.pg),
+    }, ws, inp.device)
+
+
+def ag_phases(b: "Bench", shard, full, n: int) -> dict:
+    """The qwZ all-gather taken apart: encode + decode of every chunk; the all-gather of the
+    int8 chunks."""
+    code, gs = CODES[shard.dtype], qcoll.DEFAULT_GROUP_SIZE
+    world = b.world
+    chunk = _C.wire_chunk_bytes(8, gs, code, n)
+    send = torch.empty(chunk, dtype=torch.uint8, device=shard.device)
+    recv = torch.empty(world * chunk, dtype=torch.uint8, device=shard.device)
+    dev = _dev_args(shard.device)
+
+    def encode():
+        _C.encode_chunks(shard.data_ptr(), code, n, 0, n, 1, 0, 1, 8, gs, send.data_ptr(), chunk, *dev)
+
+    def kernels():
+        encode()
+        _C.reduce_chunks(recv.data_ptr(), 8, gs, code, n, 1, chunk, world, chunk, 1.0, 0, 0, 0,
+                         full.data_ptr(), code, n, *dev)
+
+    encode()
+    TORCH_AG(recv, send)  # valid chunks for the decode
+    ws = _C.plan_all_gather(world, n, code, 8, gs).workspace_bytes
+    return _phase_times(b, {"kernels": kernels, "hop": lambda: TORCH_AG(recv, send)}, ws, shard.device)
+
+
+def main() -> None:
+    cfg = json.load(open(sys.argv[1]))
+    rank = int(sys.argv[2])
+    world, node_size = cfg["world"], cfg["node_size"]
+    torch.set_num_threads(1)
+    device = torch.device(cfg["device"])
+    timeout = datetime.timedelta(seconds=cfg.get("timeout_s", 300))
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"file://{cfg['store']}", rank=rank,
+                                world_size=world, timeout=timeout, device_id=torch.device("cuda", 0))
+        group = qcoll.new_group(node_size=node_size)
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{cfg['store']}", rank=rank,
+                                world_size=world, timeout=timeout)
+        group = qcoll.new_group(node_size=node_size, backend="torch")
+    b = Bench(cfg, rank)
+    dtype = DTYPES[cfg["dtype"]]
+    stages = cfg.get("pipeline_stages")
+    is_nccl = device.type == "cuda"
+    rows, done = [], 0
+    total = len(cfg["sizes"])
+    for size in cfg["sizes"]:
+        n = max(1, size // (world * dtype.itemsize))  # elements per rank's shard
+        # ---- reduce-scatter: input = world partitions; rank r keeps op over partition r.
+        inp = torch.cat([_values((rank, p, size, "rs"), n, dtype, device) for p in range(world)])
+        exact = sum(_values((q, rank, size, "rs"), n, dtype, "cpu").double() for q in range(world)) / world
+        out = torch.empty(n, dtype=dtype, device=device)
+
+        def torch_rs():
+            if is_nccl:
+                TORCH_RS(out, inp, op=dist.ReduceOp.AVG)
+            else:  # gloo has no AVG
+                TORCH_RS(out, inp, op=dist.ReduceOp.SUM)
+                out.div_(world)
+
+        impls = {
+            "torch": torch_rs,
+            "torch-via-qcoll": lambda: qcoll.quantized_reduce_scatter(
+                out, inp, group, intra_bits=None, inter_bits=None, hierarchical=False),
+            "qcoll": lambda: qcoll.quantized_reduce_scatter(out, inp, group, pipeline_stages=stages),
+        }
+        for impl, fn in impls.items():
+            row = dict(collective="reduce_scatter", impl=impl, bytes=size, numel_per_rank=n,
+                       dtype=cfg["dtype"])
+            if impl != "torch":
+                row.update(b.accounted(fn, "reduce_scatter"))
+            else:
+                fn()
+            row["rel_error"] = b.error(out, exact)
+            row.update(b.time(fn))
+            if impl == "qcoll" and cfg.get("phases") and group.num_nodes > 1 and group.node_size > 1:
+                row["phases_s"] = rs_phases(b, group, inp, out, n)
+            rows.append(row)
+        del inp, out
+        # ---- all-gather: output = every rank's shard, in rank order.
+        shard = _values((rank, size, "ag"), n, dtype, device)
+        exact = torch.cat([_values((q, size, "ag"), n, dtype, "cpu").double() for q in range(world)])
+        full = torch.empty(world * n, dtype=dtype, device=device)
+        impls = {
+            "torch": lambda: TORCH_AG(full, shard),
+            "torch-via-qcoll": lambda: qcoll.quantized_allgather(full, shard, group, bits=None),
+            "qcoll": lambda: qcoll.quantized_allgather(full, shard, group, bits=8),
+        }
+        for impl, fn in impls.items():
+            row = dict(collective="allgather", impl=impl, bytes=size, numel_per_rank=n,
+                       dtype=cfg["dtype"])
+            if impl != "torch":
+                row.update(b.accounted(fn, "allgather"))
+            else:
+                fn()
+            row["rel_error"] = b.error(full, exact)
+            row.update(b.time(fn))
+            if impl == "qcoll" and cfg.get("phases"):
+                row["phases_s"] = ag_phases(b, shard, full, n)
+            rows.append(row)
+        del shard, full
+        done += 1
+        if rank == 0:
+            print(f"PROGRESS {done} {total}", flush=True)
+    if rank == 0:
+        with open(cfg["out"], "w") as f:
+            json.dump({"rows": rows, "backend": dist.get_backend(),
+                       "torch_calls": [TORCH_AG.__name__, TORCH_RS.__name__]}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
