@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Everything qcoll needs a GPU for, in one call on a lent GPU machine (../shared/gpu/README.md:
+# Python 3.12, torch with CUDA, nvcc, no package registry, sm_90):
+#
+#   bash bench/gpu/run.sh [OUT_DIR]        (OUT_DIR defaults to $OUT, else ./gpu-out)
+#
+# Steps: machine facts; build qcoll with its CUDA kernels; the GPU tests
+# (test_quantize_cuda, test_wire_cuda, test_nccl); the rest of the test suite; the `kernels`
+# suite on CUDA; the `collectives` suite with 4 NCCL ranks sharing GPU 0 (correctness and
+# bytes only: ranks time-slice one GPU, so its times mean little). Every step runs even if
+# an earlier one failed (after a failed build the later ones fail fast and say so); each
+# step's exit code, duration and log tail go into ONE results file:
+#
+#   OUT_DIR/gpu-results.json   {"steps": [...], "kernels": {...}, "collectives": {...}, ...}
+#   OUT_DIR/gpu-run.log        the full `set -x` log
+#   OUT_DIR/kernels-cuda.png   the kernels chart
+#
+# QCOLL_GPU_STEPS="import kernels_cuda" runs only the named steps (default: all).
+# The whole script keeps within QCOLL_GPU_BUDGET_S seconds (default 560: the device tool
+# gives one command 600 s), cutting each step's time limit to what is left.
+set -u -o pipefail
+cd "$(dirname "$0")/../.."
+OUT_DIR=${1:-${OUT:-$PWD/gpu-out}}
+mkdir -p "$OUT_DIR"
+WORK=$(mktemp -d /tmp/qcoll-gpu.XXXXXX)
+LOG="$OUT_DIR/gpu-run.log"
+STEPS="$WORK/steps.jsonl"
+: >"$STEPS"
+exec > >(tee -a "$LOG") 2>&1
+set -x
+START=$(date +%s)
+BUDGET=${QCOLL_GPU_BUDGET_S:-560}
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export QCOLL_CUDA=ON QCOLL_CUDA_ARCHS=${QCOLL_CUDA_ARCHS:-90} QCOLL_BUILD_JOBS=${QCOLL_BUILD_JOBS:-$(nproc)}
+
+ONLY=${QCOLL_GPU_STEPS:-}  # e.g. "import kernels_cuda": run only these steps
+
+# step NAME MAX_SECONDS CMD...: run CMD with a time limit, record rc/duration/log tail.
+step() {
+  local name=$1 max=$2
+  shift 2
+  if [[ -n "$ONLY" && " $ONLY " != *" $name "* ]]; then return 0; fi
+  local left=$((BUDGET - ($(date +%s) - START)))
+  local limit=$((max < left ? max : left))
+  local slog="$WORK/$name.log" t0 rc
+  t0=$(date +%s)
+  if ((limit < 5)); then
+    echo "skipped: out of time budget" >"$slog"
+    rc=124
+  else
+    timeout --kill-after=10 "$limit" "$@" >"$slog" 2>&1
+    rc=$?
+  fi
+  cat "$slog"
+  python3 - "$name" "$rc" "$(($(date +%s) - t0))" "$limit" "$slog" "$*" >>"$STEPS" <<'EOF'
+import json, sys
+name, rc, secs, limit, log, cmd = sys.argv[1:]
+tail = open(log, errors="replace").read()[-4000:]
+print(json.dumps({"step": name, "rc": int(rc), "seconds": int(secs), "limit_s": int(limit),
+                  "timed_out": rc in ("124", "137"), "command": cmd, "log_tail": tail}))
+EOF
+  echo "=== step $name: rc=$rc"
+  return 0
+}
+
+step machine 60 bash -c 'nvidia-smi; nvcc --version; python3 -V; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.nccl.version())"; nproc; git log -1 --oneline'
+step build 300 python3 -m pip install --no-build-isolation --no-deps -e . -q
+step import 60 python3 -c "import json, qcoll; i = qcoll.build_info(); print(json.dumps(i)); assert i['cuda_available'], 'no CUDA in this build'"
+step tests_gpu 240 python3 -m pytest -q -rs -p no:cacheprovider tests/test_quantize_cuda.py tests/test_wire_cuda.py tests/test_nccl.py
+step tests_rest 240 python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors tests \
+  --ignore=tests/test_quantize_cuda.py --ignore=tests/test_wire_cuda.py --ignore=tests/test_nccl.py
+step kernels_cuda 150 python3 bench/run.py kernels --device cuda --json "$WORK/kernels-cuda.json" --plot "$OUT_DIR/kernels-cuda.png"
+step collectives_nccl 150 python3 bench/run.py collectives --device cuda --quick --json "$WORK/collectives-nccl.json"
+
+# One results file: the steps and every suite's JSON.
+python3 - "$STEPS" "$WORK" "$OUT_DIR/gpu-results.json" <<'EOF'
+import datetime, json, os, sys
+steps_path, work, out = sys.argv[1:]
+steps = [json.loads(line) for line in open(steps_path)]
+result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "command": "bash bench/gpu/run.sh", "steps": steps,
+          "failed_steps": [s["step"] for s in steps if s["rc"] != 0]}
+for name in ("kernels-cuda", "collectives-nccl"):
+    path = os.path.join(work, name + ".json")
+    result[name.replace("-", "_")] = json.load(open(path)) if os.path.exists(path) else None
+json.dump(result, open(out, "w"), indent=1)
+print("steps:", {s["step"]: s["rc"] for s in steps})
+EOF
+rm -rf "$WORK"
