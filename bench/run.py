@@ -91,8 +91,11 @@ def main() -> None:
 
     suite = SUITES[args.suite]
     load_before = os.getloadavg()
-    with Progress(transient=True) as progress:
-        result = suite.run(args.quick, progress, **options)
+    try:
+        with Progress(transient=True) as progress:
+            result = suite.run(args.quick, progress, **options)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM/SIGHUP during the cluster suite
+        sys.exit(f"interrupted ({e or 'SIGINT'}); nothing was written")
     for line in suite.table(result):
         print(line)
     record = {

@@ -40,6 +40,38 @@ def median_seconds(fn: Callable[[int], None], device: torch.device, *, warmup: i
     return statistics.median(times)
 
 
+def _clock(fn, i: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(i)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn(i)
+    return time.perf_counter() - t0
+
+
+def paired_median_seconds(fn: Callable[[int], None], ref: Callable[[int], None], device: torch.device, *,
+                          warmup: int = 3, min_repeats: int = 15, max_repeats: int = 200,
+                          min_seconds: float = 0.1, rotate: int = 1) -> tuple:
+    """Median times of fn(i) and ref(i), called alternately (fn, ref, fn, ref, ...), so that
+    a machine whose load drifts (other jobs on a shared host) slows both alike and their
+    ratio stays meaningful. Repeats until min_seconds of fn have run (at least min_repeats,
+    at most max_repeats)."""
+    for i in range(warmup):
+        fn(i % rotate)
+        ref(i % rotate)
+    a, b = [], []
+    i = 0
+    while i < max_repeats and (i < min_repeats or sum(a) < min_seconds):
+        a.append(_clock(fn, i % rotate, device))
+        b.append(_clock(ref, i % rotate, device))
+        i += 1
+    return statistics.median(a), statistics.median(b)
+
+
 def human_bytes(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":

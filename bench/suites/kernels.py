@@ -12,17 +12,23 @@ Kernels, at each size S (the bytes of the values a kernel works on):
   dq-reduce int4 x2 -> fp32/bf16        reduce_chunks with out_values: decode 2 int4 chunks,
                                         sum, write S bytes of values (the last hop)
 Bytes moved = every byte a kernel must read plus every byte it writes (values, codes,
-scales, wire padding). Inputs rotate through >= 256 MB of buffers so caches do not flatter
+scales, wire padding). Each kernel is timed alternately with the copy (kernel, copy,
+kernel, ...): its fraction is of the copy bandwidth measured alongside it, which keeps the
+ratio meaningful when other jobs share the machine. Each of the two is the best of 3 rounds
+(1 with --quick) of such medians: the estimate least disturbed by other jobs. The copy row
+gives the median of a size's copy measurements (and their range). Inputs rotate through >= 256 MB of buffers so caches do not flatter
 small sizes beyond what a real caller sees; outputs are reused (no fresh-page faults).
 """
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 import qcoll
 from qcoll import _C
-from timing import copies_for, human_bytes, median_seconds, size_ladder
+from timing import copies_for, human_bytes, paired_median_seconds, size_ladder
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -47,16 +53,36 @@ def _dev_args(device: torch.device) -> tuple:
     return 0, 0, 0
 
 
-def _copy_gbps(nbytes: int, device: torch.device) -> float:
-    n = nbytes // 4
-    rot = copies_for(nbytes)
-    srcs = [torch.randn(n, device=device) for _ in range(rot)]
-    dst = torch.empty(n, device=device)
-    t = median_seconds(lambda i: dst.copy_(srcs[i]), device, rotate=rot)
-    return 2 * n * 4 / t / 1e9
+class Copy:
+    """The ceiling: a copy of `nbytes` of fp32 (reads + writes 2 * nbytes), timed
+    alternately with every kernel (see paired_median_seconds); each kernel's fraction is of
+    the copy bandwidth measured alongside it."""
+
+    def __init__(self, nbytes: int, device: torch.device, rounds: int = 3, min_repeats: int = 15):
+        self.rounds, self.min_repeats = rounds, min_repeats
+        self.n = nbytes // 4
+        self.rot = copies_for(nbytes)
+        self.srcs = [torch.randn(self.n, device=device) for _ in range(self.rot)]
+        self.dst = torch.empty(self.n, device=device)
+        self.device = device
+        self.samples = []
+
+    def __call__(self, i: int) -> None:
+        self.dst.copy_(self.srcs[i % self.rot])
+
+    def time(self, fn, rotate: int) -> tuple:
+        """(seconds of fn, copy GB/s measured alongside it): the best of `rounds` rounds of
+        paired medians for each, i.e. the round least disturbed by other jobs."""
+        rounds = [paired_median_seconds(fn, self, self.device, rotate=max(rotate, self.rot),
+                                        min_repeats=self.min_repeats, min_seconds=0.05)
+                  for _ in range(self.rounds)]
+        t = min(r[0] for r in rounds)
+        gbps = 2 * self.n * 4 / min(r[1] for r in rounds) / 1e9
+        self.samples.append(gbps)
+        return t, gbps
 
 
-def _quantize_rows(nbytes: int, device: torch.device, dtype_name: str, bits: int):
+def _quantize_rows(copy: Copy, nbytes: int, device: torch.device, dtype_name: str, bits: int):
     dtype = DTYPES[dtype_name]
     n = nbytes // dtype.itemsize
     rot = copies_for(nbytes)
@@ -65,14 +91,14 @@ def _quantize_rows(nbytes: int, device: torch.device, dtype_name: str, bits: int
     out = torch.empty(n, dtype=dtype, device=device)
     q_bytes = qs[0].nbytes
     # Reused output buffers: time the kernel, not the allocator's fresh pages.
-    t_q = median_seconds(lambda i: qcoll.quantize(xs[i], bits=bits, out=qs[i]), device, rotate=rot)
-    t_dq = median_seconds(lambda i: qcoll.dequantize(qs[i], out=out), device, rotate=rot)
+    t_q, c_q = copy.time(lambda i: qcoll.quantize(xs[i % rot], bits=bits, out=qs[i % rot]), rot)
+    t_dq, c_dq = copy.time(lambda i: qcoll.dequantize(qs[i % rot], out=out), rot)
     moved = nbytes + q_bytes  # read input + write codes/scales (and the reverse)
-    yield f"quantize int{bits}", dtype_name, moved / t_q / 1e9
-    yield f"dequantize int{bits}", dtype_name, moved / t_dq / 1e9
+    yield f"quantize int{bits}", dtype_name, moved / t_q / 1e9, c_q
+    yield f"dequantize int{bits}", dtype_name, moved / t_dq / 1e9, c_dq
 
 
-def _swizzle_row(nbytes: int, device: torch.device, dtype_name: str, bits: int = 8,
+def _swizzle_row(copy: Copy, nbytes: int, device: torch.device, dtype_name: str, bits: int = 8,
                  node_size: int = 2, nodes: int = 2):
     """encode_chunks as the reduce-scatter's first step: count partitions, swizzled."""
     dtype = DTYPES[dtype_name]
@@ -86,12 +112,12 @@ def _swizzle_row(nbytes: int, device: torch.device, dtype_name: str, bits: int =
     dev = _dev_args(device)
 
     def call(i):
-        _C.encode_chunks(xs[i].data_ptr(), CODES[dtype], part, 0, part, count, node_size, nodes,
+        _C.encode_chunks(xs[i % rot].data_ptr(), CODES[dtype], part, 0, part, count, node_size, nodes,
                          bits, gs, out.data_ptr(), chunk, *dev)
 
-    t = median_seconds(call, device, rotate=rot)
+    t, c = copy.time(call, rot)
     moved = count * part * dtype.itemsize + count * chunk
-    return f"swizzled quantize int{bits}", dtype_name, moved / t / 1e9
+    return f"swizzled quantize int{bits}", dtype_name, moved / t / 1e9, c
 
 
 def _wire_sources(n: int, sources: int, bits: int, device: torch.device, rot: int):
@@ -108,7 +134,7 @@ def _wire_sources(n: int, sources: int, bits: int, device: torch.device, rot: in
     return bufs, chunk
 
 
-def _reduce_requant_row(nbytes: int, device: torch.device, sources: int, in_bits: int = 8,
+def _reduce_requant_row(copy: Copy, nbytes: int, device: torch.device, sources: int, in_bits: int = 8,
                         out_bits: int = 4):
     """reduce_chunks(out_wire): dequantize `sources` chunks, sum in fp32, re-quantize."""
     n = nbytes // 4
@@ -120,15 +146,15 @@ def _reduce_requant_row(nbytes: int, device: torch.device, sources: int, in_bits
     dev = _dev_args(device)
 
     def call(i):
-        _C.reduce_chunks(bufs[i].data_ptr(), in_bits, gs, 0, n, sources, chunk, 1, 0, 1.0,
+        _C.reduce_chunks(bufs[i % rot].data_ptr(), in_bits, gs, 0, n, sources, chunk, 1, 0, 1.0,
                          out.data_ptr(), out_bits, out_chunk, 0, 0, 0, *dev)
 
-    t = median_seconds(call, device, rotate=rot)
+    t, c = copy.time(call, rot)
     moved = sources * chunk + out_chunk
-    return f"dq-reduce-q int{in_bits}x{sources}->int{out_bits}", "fp32", moved / t / 1e9
+    return f"dq-reduce-q int{in_bits}x{sources}->int{out_bits}", "fp32", moved / t / 1e9, c
 
 
-def _reduce_values_row(nbytes: int, device: torch.device, dtype_name: str, sources: int = 2,
+def _reduce_values_row(copy: Copy, nbytes: int, device: torch.device, dtype_name: str, sources: int = 2,
                        in_bits: int = 4):
     """reduce_chunks(out_values): dequantize `sources` chunks, sum, write values."""
     dtype = DTYPES[dtype_name]
@@ -140,24 +166,24 @@ def _reduce_values_row(nbytes: int, device: torch.device, dtype_name: str, sourc
     dev = _dev_args(device)
 
     def call(i):
-        _C.reduce_chunks(bufs[i].data_ptr(), in_bits, gs, CODES[dtype], n, sources, chunk, 1, 0,
+        _C.reduce_chunks(bufs[i % rot].data_ptr(), in_bits, gs, CODES[dtype], n, sources, chunk, 1, 0,
                          float(sources), 0, 0, 0, out.data_ptr(), CODES[dtype], n, *dev)
 
-    t = median_seconds(call, device, rotate=rot)
+    t, c = copy.time(call, rot)
     moved = sources * chunk + n * dtype.itemsize
-    return f"dq-reduce int{in_bits}x{sources}", dtype_name, moved / t / 1e9
+    return f"dq-reduce int{in_bits}x{sources}", dtype_name, moved / t / 1e9, c
 
 
-def _rows_at(nbytes: int, device: torch.device):
+def _rows_at(copy: Copy, nbytes: int, device: torch.device):
     for dtype_name in DTYPES:
         for bits in (8, 4):
-            yield from _quantize_rows(nbytes, device, dtype_name, bits)
+            yield from _quantize_rows(copy, nbytes, device, dtype_name, bits)
     for dtype_name in DTYPES:
-        yield _swizzle_row(nbytes, device, dtype_name)
+        yield _swizzle_row(copy, nbytes, device, dtype_name)
     for sources in (2, 4):
-        yield _reduce_requant_row(nbytes, device, sources)
+        yield _reduce_requant_row(copy, nbytes, device, sources)
     for dtype_name in DTYPES:
-        yield _reduce_values_row(nbytes, device, dtype_name)
+        yield _reduce_values_row(copy, nbytes, device, dtype_name)
 
 
 def run(quick: bool, progress, sizes=None, device=None) -> dict:
@@ -167,12 +193,16 @@ def run(quick: bool, progress, sizes=None, device=None) -> dict:
     task = progress.add_task("kernels", total=len(devices) * len(sizes))
     for dev in devices:
         for nbytes in sizes:
-            copy = _copy_gbps(nbytes, dev)
+            copy = Copy(nbytes, dev, rounds=1 if quick else 3, min_repeats=9 if quick else 15)
+            size_rows = [dict(device=dev.type, kernel=kernel, dtype=dtype_name, bytes=nbytes, gbps=gbps,
+                              copy_gbps=copy_gbps, frac_of_copy=gbps / copy_gbps)
+                         for kernel, dtype_name, gbps, copy_gbps in _rows_at(copy, nbytes, dev)]
+            samples = sorted(copy.samples)
             rows.append(dict(device=dev.type, kernel="copy", dtype="fp32", bytes=nbytes,
-                             gbps=copy, frac_of_copy=1.0))
-            for kernel, dtype_name, gbps in _rows_at(nbytes, dev):
-                rows.append(dict(device=dev.type, kernel=kernel, dtype=dtype_name, bytes=nbytes,
-                                 gbps=gbps, frac_of_copy=gbps / copy))
+                             gbps=statistics.median(samples), frac_of_copy=1.0,
+                             copy_gbps_range=[samples[0], samples[-1]]))
+            rows += size_rows
+            del copy
             progress.advance(task)
     return {"rows": rows, "group_size": qcoll.DEFAULT_GROUP_SIZE, "targets": targets(rows)}
 
