@@ -54,12 +54,15 @@ def kernels_chart(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def speedup_chart(result: dict, path: str, series_key=None, targets=None) -> None:
+def speedup_chart(result: dict, path: str, series_key=None, targets=None, breakdown=None) -> None:
     """qcoll's speedup over torch's collective vs size: one line per collective (and per
-    series_key value, e.g. the link bandwidth). targets: {collective: speedup} drawn dotted."""
+    series_key value, e.g. the link bandwidth). targets: {collective: speedup} drawn dotted.
+    breakdown: a series_key value whose qcoll calls get a third panel, taken apart."""
     plt = _plt()
     rows = [r for r in result["rows"] if r["impl"] == "qcoll" and r.get("speedup") is not None]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    panels = 3 if breakdown is not None else 2
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8))
+    ax, ax2 = axes[0], axes[1]
     keys = sorted({(r["collective"], r.get(series_key) if series_key else None) for r in rows},
                   key=lambda k: (k[0], str(k[1])))
     sizes = sorted({r["bytes"] for r in rows})
@@ -93,10 +96,53 @@ def speedup_chart(result: dict, path: str, series_key=None, targets=None) -> Non
     ax2.set_title("time per call")
     ax.legend(fontsize=7)
     ax2.legend(fontsize=6)
+    if breakdown is not None:
+        _breakdown_panel(axes[2], [r for r in rows if not series_key or r.get(series_key) == breakdown],
+                         breakdown)
     fig.suptitle(_subtitle(result), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+PARTS = {  # phase -> (label, colour)
+    "kernels": ("kernels", "tab:orange"),
+    "intra_hop": ("intra-node hop", "tab:green"),
+    "inter_hop": ("inter-node hop", "tab:purple"),
+    "hop": ("all-gather hop", "tab:blue"),
+    "workspace": ("fresh workspace pages", "tab:gray"),
+}
+
+
+def _breakdown_panel(ax, rows: list, label) -> None:
+    """Stacked bars: each part of qcoll's call run alone, next to the call's time, in ms per
+    MB of tensor (so that every size shares one linear scale)."""
+    rows = sorted((r for r in rows if "phases_s" in r), key=lambda r: (r["collective"], r["bytes"]))
+    names, seen = [], set()
+    for i, r in enumerate(rows):
+        per_mb = 1e3 / (r["bytes"] / 2**20)
+        bottom = 0.0
+        for part, secs in r["phases_s"].items():
+            name, color = PARTS.get(part, (part, None))
+            ax.bar(i, secs * per_mb, bottom=bottom, color=color, width=0.6,
+                   label=name if name not in seen else None)
+            seen.add(name)
+            bottom += secs * per_mb
+        ax.plot([i - 0.35, i + 0.35], [r["time_s"] * per_mb] * 2, "k-", lw=2.5,
+                label="the whole call" if "call" not in seen else None)
+        seen.add("call")
+        if "link_bound_s" in r:
+            ax.plot([i - 0.35, i + 0.35], [r["link_bound_s"] * per_mb] * 2, "r:", lw=2.5,
+                    label="link alone (wire bytes / rate)" if "link" not in seen else None)
+            seen.add("link")
+        names.append(f"{'RS' if r['collective'] == 'reduce_scatter' else 'AG'} {human_bytes(r['bytes'])}")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(names, rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel("ms per MB of tensor (each part alone, slowest rank)")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.45)  # room for the legend
+    ax.set_title(f"where qcoll's time goes ({label})")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
 
 
 def group_size_chart(result: dict, path: str) -> None:
@@ -118,3 +164,15 @@ def group_size_chart(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":  # python bench/plotting.py RESULT.json OUT.png: redraw a chart
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from run import SUITES
+
+    record = json.load(open(sys.argv[1]))
+    SUITES[record["suite"]].plot(record, sys.argv[2])

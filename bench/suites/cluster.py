@@ -93,12 +93,13 @@ def table(result: dict) -> list:
                          f"({r['link_bound_s'] / r['time_s']:.0%} of it)")
     for key, t in result["targets"].items():
         verdict = "met" if t["met"] else f"MISSED by {t['short_by']:.2f}x ({t['short_by_frac']:.0%})"
+        sizes = ", ".join(f"{human_bytes(int(k))} {v:.2f}x" for k, v in t["by_size"].items())
         lines.append(f"target {key} >= {t['target']}x at {human_bytes(t['size'])}: "
-                     f"{t['measured']:.2f}x, {verdict}")
+                     f"{t['measured']:.2f}x, {verdict} (by size: {sizes})")
     return lines
 
 
 def plot(result: dict, path: str) -> None:
     from plotting import speedup_chart
 
-    speedup_chart(result, path, series_key="link", targets=TARGETS)
+    speedup_chart(result, path, series_key="link", targets=TARGETS, breakdown=f"{TARGET_GBIT} Gbit/s")

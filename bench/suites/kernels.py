@@ -12,12 +12,15 @@ Kernels, at each size S (the bytes of the values a kernel works on):
   dq-reduce int4 x2 -> fp32/bf16        reduce_chunks with out_values: decode 2 int4 chunks,
                                         sum, write S bytes of values (the last hop)
 Bytes moved = every byte a kernel must read plus every byte it writes (values, codes,
-scales, wire padding). Each kernel is timed alternately with the copy (kernel, copy,
-kernel, ...): its fraction is of the copy bandwidth measured alongside it, which keeps the
-ratio meaningful when other jobs share the machine. Each of the two is the best of 3 rounds
-(1 with --quick) of such medians: the estimate least disturbed by other jobs. The copy row
-gives the median of a size's copy measurements (and their range). Inputs rotate through >= 256 MB of buffers so caches do not flatter
+scales, wire padding). Inputs rotate through >= 256 MB of buffers so caches do not flatter
 small sizes beyond what a real caller sees; outputs are reused (no fresh-page faults).
+
+Shared machines: each kernel is timed alternately with the copy (kernel, copy, kernel, ...),
+and its fraction is of the copy bandwidth measured alongside it, so that load from other
+jobs slows both alike. Each of the two is the best of 3 rounds (1 with --quick) of such
+medians: the estimate least disturbed by other jobs. The copy row gives the median of a
+size's copy measurements and their range; a size whose copy measurements spread by more
+than 1.5x is measured again (up to 3 attempts, the steadiest kept).
 """
 
 from __future__ import annotations
@@ -186,6 +189,26 @@ def _rows_at(copy: Copy, nbytes: int, device: torch.device):
         yield _reduce_values_row(copy, nbytes, device, dtype_name)
 
 
+# A size whose copy measurements (one per kernel) spread more than this (max / min) was
+# disturbed by other jobs: it is measured again, up to MAX_ATTEMPTS times in all (the least
+# spread attempt is kept; its spread is in the copy row).
+MAX_COPY_SPREAD = 1.5
+MAX_ATTEMPTS = 3
+
+
+def _measure_size(nbytes: int, dev: torch.device, quick: bool) -> tuple:
+    copy = Copy(nbytes, dev, rounds=1 if quick else 3, min_repeats=9 if quick else 15)
+    size_rows = [dict(device=dev.type, kernel=kernel, dtype=dtype_name, bytes=nbytes, gbps=gbps,
+                      copy_gbps=copy_gbps, frac_of_copy=gbps / copy_gbps)
+                 for kernel, dtype_name, gbps, copy_gbps in _rows_at(copy, nbytes, dev)]
+    samples = sorted(copy.samples)
+    spread = samples[-1] / samples[0]
+    copy_row = dict(device=dev.type, kernel="copy", dtype="fp32", bytes=nbytes,
+                    gbps=statistics.median(samples), frac_of_copy=1.0,
+                    copy_gbps_range=[samples[0], samples[-1]], copy_spread=spread)
+    return [copy_row] + size_rows, spread
+
+
 def run(quick: bool, progress, sizes=None, device=None) -> dict:
     rows = []
     sizes = sizes or size_ladder(64 << 10, 256 << 20, quick)
@@ -193,16 +216,16 @@ def run(quick: bool, progress, sizes=None, device=None) -> dict:
     task = progress.add_task("kernels", total=len(devices) * len(sizes))
     for dev in devices:
         for nbytes in sizes:
-            copy = Copy(nbytes, dev, rounds=1 if quick else 3, min_repeats=9 if quick else 15)
-            size_rows = [dict(device=dev.type, kernel=kernel, dtype=dtype_name, bytes=nbytes, gbps=gbps,
-                              copy_gbps=copy_gbps, frac_of_copy=gbps / copy_gbps)
-                         for kernel, dtype_name, gbps, copy_gbps in _rows_at(copy, nbytes, dev)]
-            samples = sorted(copy.samples)
-            rows.append(dict(device=dev.type, kernel="copy", dtype="fp32", bytes=nbytes,
-                             gbps=statistics.median(samples), frac_of_copy=1.0,
-                             copy_gbps_range=[samples[0], samples[-1]]))
+            best = None
+            for attempt in range(1 if quick else MAX_ATTEMPTS):
+                size_rows, spread = _measure_size(nbytes, dev, quick)
+                if best is None or spread < best[1]:
+                    best = (size_rows, spread)
+                if spread <= MAX_COPY_SPREAD:
+                    break
+            size_rows, spread = best
+            size_rows[0]["attempts"] = attempt + 1
             rows += size_rows
-            del copy
             progress.advance(task)
     return {"rows": rows, "group_size": qcoll.DEFAULT_GROUP_SIZE, "targets": targets(rows)}
 
