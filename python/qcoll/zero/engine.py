@@ -83,10 +83,17 @@ class ZeroEngine:
                     continue
                 params.append(p)
                 names.append(full_name)
-            if params:
-                unit = FlatUnit(len(self.units), module, params, names, self.group.size,
-                                self.group.rank, self.config.compute_dtype)
-                for p, name in zip(params, names):
+            # Trainable and frozen parameters go to separate units: a frozen parameter must
+            # not share a master shard with trainable ones, or weight decay (and momentum
+            # from its zero gradient) would move it.
+            for trainable in (True, False):
+                chosen = [(p, n) for p, n in zip(params, names) if p.requires_grad == trainable]
+                if not chosen:
+                    continue
+                unit = FlatUnit(len(self.units), module, [p for p, _ in chosen], [n for _, n in chosen],
+                                self.group.size, self.group.rank, self.config.compute_dtype)
+                unit.master.requires_grad_(trainable)
+                for p, name in chosen:
                     owner[id(p)] = unit.index
                     self._aliases[name] = (unit, name)
                 self.units.append(unit)
