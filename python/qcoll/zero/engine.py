@@ -64,7 +64,9 @@ class ZeroEngine:
         self.optimizer = optimizer_factory([u.master for u in self.units])
         self.scaler = LossScaler(config.compute_dtype == torch.float16, config.loss_scale,
                                  config.initial_loss_scale, config.loss_scale_window)
-        self._forward_order: List[int] = []
+        self._forward_order: List[int] = []  # units in order of first use (backward prefetch)
+        self._forward_calls: List[List[int]] = []  # units of each module call (forward prefetch)
+        self._forward_call = 0  # this forward's position in _forward_calls
         self._order_known = False
         self._in_backward = False
         self._register_hooks()
@@ -133,7 +135,15 @@ class ZeroEngine:
     def _prefetch_after(self, unit_ids: List[int], backward: bool) -> None:
         if not (self.config.prefetch and self._order_known):
             return
-        order = self._forward_order[::-1] if backward else self._forward_order
+        if not backward:
+            # The next module call of the recorded forward, not the unit after this one's
+            # first use: a unit used again late (a tied head, a reused module) would
+            # otherwise prefetch an early unit that no module of this forward uses again.
+            if self._forward_call < len(self._forward_calls):
+                for u in self._forward_calls[self._forward_call]:
+                    self._gather(self.units[u], backward, async_op=True)
+            return
+        order = self._forward_order[::-1]
         last = max(order.index(u) for u in unit_ids if u in order) if any(u in order for u in unit_ids) else None
         if last is not None and last + 1 < len(order):
             self._gather(self.units[order[last + 1]], backward, async_op=True)
@@ -147,6 +157,9 @@ class ZeroEngine:
                 unit.users += 1
                 if not self._order_known and u not in self._forward_order:
                     self._forward_order.append(u)
+            if not self._order_known:
+                self._forward_calls.append(unit_ids)
+            self._forward_call += 1
             self._prefetch_after(unit_ids, backward=False)
             return None
         return hook
@@ -202,6 +215,9 @@ class ZeroEngine:
     # ---- the training-loop API -----------------------------------------------------------
     def __call__(self, *args, **kwargs):
         self._in_backward = False
+        self._forward_call = 0
+        if not self._order_known:  # record the last forward before the first backward
+            self._forward_calls = []
         return self.module(*_cast_inputs(args, self.config.compute_dtype),
                            **_cast_inputs(kwargs, self.config.compute_dtype))
 
