@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from ..quantization import check_group_size
+
 _COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -46,6 +48,9 @@ class ZeroConfig:
     loss_scale_window: int = 1000
 
     def __post_init__(self):
+        for name in ("qwz", "hpz", "qgz", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compute_dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {self.compute_dtype}")
         for name in ("weight_bits", "grad_intra_bits", "grad_inter_bits"):
@@ -55,10 +60,18 @@ class ZeroConfig:
         if isinstance(self.grad_pipeline_stages, bool) or not isinstance(self.grad_pipeline_stages, int) \
                 or self.grad_pipeline_stages < 1:
             raise ValueError(f"grad_pipeline_stages must be a positive int, got {self.grad_pipeline_stages!r}")
-        if self.hpz_group_size is not None and (not isinstance(self.hpz_group_size, int)
+        if self.hpz_group_size is not None and (isinstance(self.hpz_group_size, bool)
+                                                or not isinstance(self.hpz_group_size, int)
                                                 or self.hpz_group_size < 1):
             raise ValueError(f"hpz_group_size must be a positive int or None, got {self.hpz_group_size!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
         if self.loss_scale is not None and not self.loss_scale > 0:
             raise ValueError(f"loss_scale must be > 0 or None (dynamic), got {self.loss_scale!r}")
+        if not self.initial_loss_scale > 0:
+            raise ValueError(f"initial_loss_scale must be > 0, got {self.initial_loss_scale!r}")
+        if isinstance(self.loss_scale_window, bool) or not isinstance(self.loss_scale_window, int) \
+                or self.loss_scale_window < 1:
+            raise ValueError(f"loss_scale_window must be a positive int, got {self.loss_scale_window!r}")
+        if self.group_size is not None:
+            check_group_size(self.group_size, "group_size")
