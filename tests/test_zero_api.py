@@ -1,0 +1,199 @@
+"""qcoll.zero's public surface: ZeroConfig (defaults, validation naming the field, frozen),
+ZeroEngine's arguments (group as None / ProcessGroup / qcoll.Group), zero_grad and
+gradient accumulation, stats() keys, and hpZ secondary groups smaller than a node."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+import qcoll
+from distributed import run_ranks
+from qcoll.zero import ZeroConfig, ZeroEngine
+from zero_helpers import ALL_OFF_FP32, OptimizerFactory, gpt, lm_loss
+
+WORLD, NODE_SIZE = 4, 2
+CFG = gpt.GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, d_model=16)
+STAT_KEYS = {"forward_allgather", "backward_allgather", "reduce_scatter"}
+# Two emulated hosts of two ranks each, so group=None and a bare ProcessGroup see 2 nodes.
+ENV = {r: {"LOCAL_WORLD_SIZE": str(NODE_SIZE), "QCOLL_HOST_ID": f"host{r // NODE_SIZE}"} for r in range(WORLD)}
+
+
+# ---- ZeroConfig -----------------------------------------------------------------------------
+def test_defaults_follow_the_contract():
+    c = ZeroConfig()
+    assert (c.qwz, c.hpz, c.qgz, c.prefetch) == (True, True, True, True)
+    assert c.compute_dtype == torch.bfloat16
+    assert (c.weight_bits, c.grad_intra_bits, c.grad_inter_bits) == (8, 8, 4)
+    assert c.hpz_group_size is None and c.max_grad_norm is None
+
+
+def test_config_is_frozen():
+    c = ZeroConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.qwz = False
+    assert dataclasses.replace(c, qwz=False).qwz is False
+
+
+@pytest.mark.parametrize("field,value", [
+    ("compute_dtype", torch.float64),
+    ("compute_dtype", torch.int8),
+    ("compute_dtype", "bf16"),
+    ("weight_bits", 2),
+    ("weight_bits", None),
+    ("weight_bits", True),
+    ("grad_intra_bits", 16),
+    ("grad_inter_bits", 3),
+    ("grad_pipeline_stages", 0),
+    ("grad_pipeline_stages", 1.5),
+    ("hpz_group_size", 0),
+    ("hpz_group_size", 2.0),
+    ("hpz_group_size", True),
+    ("max_grad_norm", 0.0),
+    ("max_grad_norm", -1.0),
+    ("loss_scale", 0.0),
+    ("loss_scale", -2.0),
+    ("initial_loss_scale", 0.0),
+    ("loss_scale_window", 0),
+    ("group_size", 100),
+    ("group_size", 0),
+    ("qwz", "yes"),
+    ("hpz", 1),
+    ("qgz", None),
+    ("prefetch", "no"),
+])
+def test_invalid_values_raise_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        ZeroConfig(**{field: value})
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(weight_bits=4, grad_intra_bits=4, grad_inter_bits=8),
+    dict(compute_dtype=torch.float16, loss_scale=128.0),
+    dict(compute_dtype=torch.float32, max_grad_norm=1.0, group_size=64, grad_pipeline_stages=3),
+    dict(hpz_group_size=1),
+])
+def test_valid_values_accepted(kwargs):
+    c = ZeroConfig(**kwargs)
+    for k, v in kwargs.items():
+        assert getattr(c, k) == v
+
+
+def test_engine_rejects_a_config_that_is_not_a_zeroconfig():
+    with pytest.raises(TypeError, match="config"):
+        ZeroEngine(torch.nn.Linear(2, 2), torch.optim.SGD, config={"qwz": False})
+
+
+# ---- engines on 4 ranks ------------------------------------------------------------------
+def _batch(step):
+    return gpt.MarkovLanguage(CFG.vocab_size).batch(step, 2 * WORLD, CFG.block_size)
+
+
+def _one_step(engine, rank, step=0):
+    x, y = _batch(step)
+    engine.zero_grad()
+    loss = lm_loss(engine(x.chunk(WORLD)[rank]), y.chunk(WORLD)[rank])
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _engine(group, **kwargs):
+    torch.manual_seed(0)
+    return ZeroEngine(gpt.GPT(CFG), OptimizerFactory("adamw"), group, config=ZeroConfig(**kwargs))
+
+
+def _worker(rank, world):
+    import torch.distributed as dist
+
+    out = {}
+    # The same training through each way of naming the group: same losses, same bytes.
+    groups = {"none": None, "process_group": dist.group.WORLD, "qcoll_group": qcoll.new_group(node_size=NODE_SIZE)}
+    for name, group in groups.items():
+        engine = _engine(group)
+        losses = [_one_step(engine, rank, s) for s in range(2)]
+        out[name] = dict(losses=losses, stats=engine.stats(), node_size=engine.group.node_size,
+                         state=engine.full_state_dict())
+
+    # zero_grad: gradients accumulate over backward() calls until zero_grad().
+    engine = _engine(None, **ALL_OFF_FP32)
+    x, y = _batch(0)
+    xs, ys = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
+    engine.backward(lm_loss(engine(xs), ys))
+    once = [u.master.grad.clone() for u in engine.units]
+    engine.backward(lm_loss(engine(xs), ys))
+    twice = [u.master.grad.clone() for u in engine.units]
+    engine.zero_grad()
+    cleared = all(u.master.grad is None for u in engine.units)
+    before = engine.full_state_dict()
+    engine.step()  # nothing to apply
+    after = engine.full_state_dict()
+    out["zero_grad"] = dict(once=once, twice=twice, cleared=cleared,
+                            unchanged=all(torch.equal(before[k], after[k]) for k in before))
+
+    # hpZ secondary partitions over fewer ranks than a node.
+    for size in (1, 2):
+        engine = _engine(None, hpz_group_size=size)
+        losses = [_one_step(engine, rank, s) for s in range(2)]
+        out[f"hpz{size}"] = dict(losses=losses, stats=engine.stats())
+
+    # An hpZ group size that does not divide the node size: a clear error on every rank.
+    try:
+        _engine(None, hpz_group_size=3)
+        out["hpz3"] = None
+    except ValueError as e:
+        out["hpz3"] = str(e)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _runs():
+    return run_ranks(WORLD, _worker, env=ENV, timeout=240)
+
+
+def test_group_none_processgroup_and_qcoll_group_agree():
+    for r in _runs():
+        base = r["qcoll_group"]
+        for name in ("none", "process_group"):
+            assert r[name]["node_size"] == NODE_SIZE  # from LOCAL_WORLD_SIZE / the host ids
+            assert r[name]["losses"] == base["losses"], name
+            assert r[name]["stats"] == base["stats"], name
+            for k, v in base["state"].items():
+                assert torch.equal(r[name]["state"][k], v), (name, k)
+
+
+def test_stats_keys_and_fields():
+    for r in _runs():
+        stats = r["none"]["stats"]
+        assert set(stats) == STAT_KEYS
+        for value in stats.values():
+            assert set(value) == {"calls", "intra_bytes", "inter_bytes"}
+            assert value["calls"] > 0 and value["intra_bytes"] > 0
+
+
+def test_zero_grad_and_accumulation():
+    for r in _runs():
+        z = r["zero_grad"]
+        assert len(z["once"]) > 0
+        for g1, g2 in zip(z["once"], z["twice"]):
+            assert torch.equal(g2, 2 * g1)  # the same gradient added twice, in fp32
+        assert z["cleared"] and z["unchanged"]
+
+
+def test_hpz_group_smaller_than_node():
+    for r in _runs():
+        # The secondary shard holds exactly what forward used, whatever its group size.
+        assert r["hpz1"]["losses"] == r["hpz2"]["losses"] == r["none"]["losses"]
+        one, node = r["hpz1"]["stats"]["backward_allgather"], r["hpz2"]["stats"]["backward_allgather"]
+        assert one["inter_bytes"] == 0 and one["intra_bytes"] == 0  # a group of one: local copy
+        assert node["inter_bytes"] == 0 and node["intra_bytes"] > 0
+        assert one["calls"] == node["calls"]
+        assert r["hpz1"]["stats"]["forward_allgather"] == r["hpz2"]["stats"]["forward_allgather"]
+
+
+def test_hpz_group_size_must_divide_node_size():
+    for r in _runs():
+        assert r["hpz3"] is not None and "hpz_group_size" in r["hpz3"]
