@@ -1,0 +1,235 @@
+"""Train a small GPT (examples/gpt.py) with qcoll's ZeRO-3 engine on N local processes seen
+as nodes of --node-size ranks, and compare plain ZeRO-3 with ZeRO++ (qwZ + hpZ + qgZ).
+
+    python examples/train_zero3.py                      # ZeRO-3 vs ZeRO++, 4 ranks as 2x2
+    python examples/train_zero3.py --no-qgz --steps 50  # one run: qwZ + hpZ only
+    python examples/train_zero3.py --ranks 6 --node-size 3 --dtype fp16
+
+Each step prints (on rank 0) the loss, the step time and the bytes this rank sent to other
+nodes (qcoll's accounting: payload, scales and padding). With --compare (the default when
+no technique flag is given) both configurations train the same model from the same seed
+on the same data, one after the other in the same processes, and a table puts them side
+by side.
+
+CPU: gloo ranks, one thread each. GPUs: NCCL, one process per GPU; with a single GPU,
+several processes share it (each gets its own NCCL host id and NCCL talks over loopback
+sockets, see ../shared/gpu/README.md), which proves correctness, not speed. --backend
+gloo forces CPU.
+
+The data is a fixed random second-order Markov language (examples/gpt.py): the loss falls
+from ln(vocab) towards the chain's entropy rate, printed at the start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gpt  # noqa: E402
+
+import qcoll  # noqa: E402
+from qcoll.zero import ZeroConfig, ZeroEngine  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CATEGORIES = ("forward_allgather", "backward_allgather", "reduce_scatter")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ranks", type=int, default=None, help="processes (default: 4 on CPU, the GPU count on GPUs)")
+    p.add_argument("--node-size", type=int, default=2, help="ranks per emulated node")
+    p.add_argument("--steps", type=int, default=200)
+    for name, what in (("qwz", "int8 forward weight all-gather"), ("hpz", "in-node backward all-gather"),
+                       ("qgz", "int8/int4 2-hop gradient reduce-scatter")):
+        p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"{what} (with any of these flags: one run, techniques not named stay on)")
+    p.add_argument("--compare", action="store_true",
+                   help="run ZeRO-3 (all off) and ZeRO++ (all on) and compare; the default without technique flags")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="compute dtype (fp32 master weights)")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=16)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--log-every", type=int, default=25, help="print a line every N steps")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.backend == "auto":
+        args.backend = "nccl" if gpus else "gloo"
+    if args.backend == "nccl" and not gpus:
+        p.error("--backend nccl needs a GPU")
+    if args.ranks is None:
+        args.ranks = gpus if args.backend == "nccl" and gpus > 1 else 4
+    if args.ranks < 1 or args.node_size < 1 or args.ranks % args.node_size:
+        p.error(f"--node-size {args.node_size} must divide --ranks {args.ranks}")
+    flags = {k: getattr(args, k) for k in ("qwz", "hpz", "qgz")}
+    if args.compare or all(v is None for v in flags.values()):
+        args.runs = [("ZeRO-3", dict(qwz=False, hpz=False, qgz=False)), ("ZeRO++", dict(qwz=True, hpz=True, qgz=True))]
+    else:
+        on = {k: v is not False for k, v in flags.items()}  # unnamed techniques stay on
+        names = {"qwz": "qwZ", "hpz": "hpZ", "qgz": "qgZ"}
+        name = ("ZeRO++" if all(on.values()) else "+".join(names[k] for k, v in on.items() if v) or "ZeRO-3")
+        args.runs = [(name, on)]
+    return args
+
+
+# ---- one rank ----------------------------------------------------------------------------
+def setup(rank, args, store):
+    if args.backend == "nccl":
+        gpus = torch.cuda.device_count()
+        if args.ranks > gpus:  # several ranks per GPU: one NCCL "host" per process
+            os.environ.update(NCCL_HOSTID=f"qhost{rank}", NCCL_NET="Socket", NCCL_SOCKET_IFNAME="lo",
+                              NCCL_MNNVL_ENABLE="0", NCCL_PAT_ENABLE="0")
+        device = torch.device("cuda", rank % gpus)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
+    dist.init_process_group(args.backend, init_method=f"file://{store}", rank=rank, world_size=args.ranks,
+                            **({"device_id": device} if device.type == "cuda" else {}))
+    return device
+
+
+def train(rank, args, device, group, language, cfg, name, techniques, progress=None):
+    torch.manual_seed(args.seed)
+    model = gpt.GPT(cfg).to(device)
+    config = ZeroConfig(**techniques, compute_dtype=DTYPES[args.dtype], max_grad_norm=args.max_grad_norm)
+    engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01), group,
+                        config=config)
+    world = args.ranks
+    task = progress.add_task(name, total=args.steps, info="") if progress else None
+    losses, times, inter = [], [], []
+    skipped = 0
+    for step in range(args.steps):
+        x, y = language.batch(step, args.batch * world, args.seq, seed=args.seed)
+        x, y = x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
+        before = engine.stats()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.zero_grad()
+        loss = gpt.lm_loss(engine(x), y)
+        engine.backward(loss)
+        skipped += not engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        after = engine.stats()
+        sent = torch.tensor([float(after[c]["inter_bytes"] - before[c]["inter_bytes"]) for c in CATEGORIES]
+                            + [loss.item()], dtype=torch.float64, device=device)
+        dist.all_reduce(sent)  # mean over ranks
+        sent = (sent / world).tolist()
+        losses.append(sent[-1])
+        inter.append(sent[:-1])
+        if progress:
+            progress.update(task, advance=1, info=f"loss {losses[-1]:.4f}  {1e3 * times[-1]:6.1f} ms  "
+                                                  f"{_fmt_bytes(sum(inter[-1]))}/step across nodes")
+            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+                progress.console.print(f"{name:8s} step {step + 1:4d}  loss {losses[-1]:.4f}  "
+                                       f"step {1e3 * times[-1]:6.1f} ms  cross-node {_fmt_bytes(sum(inter[-1]))}/step")
+    tail = min(10, len(losses))
+    return dict(name=name, final_loss=sum(losses[-tail:]) / tail, losses=losses,
+                step_ms=1e3 * statistics.median(times[1:] or times),
+                inter=[statistics.mean(v[i] for v in inter[1:] or inter) for i in range(len(CATEGORIES))],
+                skipped=skipped, stats=engine.stats())
+
+
+def worker(rank, args, store):
+    device = setup(rank, args, store)
+    group = qcoll.new_group(node_size=args.node_size)
+    language = gpt.MarkovLanguage(args.vocab, seed=args.seed)
+    cfg = gpt.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                        d_model=args.d_model, tie_weights=True)
+    console = progress = None
+    if rank == 0:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = Console()
+        n_params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
+        console.print(f"GPT {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, "
+                      f"{n_params / 1e3:.1f}K parameters; {args.ranks} ranks as {args.ranks // args.node_size} "
+                      f"node(s) x {args.node_size} on {device.type} ({args.backend}); {args.dtype} compute; "
+                      f"batch {args.batch} x {args.seq} tokens per rank")
+        console.print(f"loss: ln(vocab) = {math.log(args.vocab):.3f} at the start, "
+                      f"the language's entropy rate {language.entropy:.3f} at best")
+        progress = Progress(TextColumn("{task.description:8s}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console,
+                            transient=True)
+        progress.start()
+    results = []
+    try:
+        for name, techniques in args.runs:
+            results.append(train(rank, args, device, group, language, cfg, name, techniques, progress))
+    finally:
+        if progress:
+            progress.stop()
+    if rank == 0:
+        report(console, results, args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---- report ------------------------------------------------------------------------------
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def report(console, results, args):
+    from rich.table import Table
+
+    table = Table(title=f"{args.steps} steps, {args.ranks} ranks ({args.ranks // args.node_size} nodes x "
+                        f"{args.node_size}), {args.dtype}; bytes: mean per rank per step sent to other nodes")
+    table.add_column("")
+    for r in results:
+        table.add_column(r["name"], justify="right")
+    if len(results) == 2:
+        table.add_column("ratio", justify="right")
+
+    def row(label, values, fmt):
+        cells = [fmt(v) for v in values]
+        if len(values) == 2:
+            cells.append(f"{values[1] / values[0]:.3f}" if values[0] else "-")
+        table.add_row(label, *cells)
+
+    row("final loss (mean of last 10)", [r["final_loss"] for r in results], lambda v: f"{v:.4f}")
+    row("cross-node bytes / step", [sum(r["inter"]) for r in results], _fmt_bytes)
+    for i, c in enumerate(CATEGORIES):
+        row(f"  {c.replace('_', ' ')}", [r["inter"][i] for r in results], _fmt_bytes)
+    row("step time (median)", [r["step_ms"] for r in results], lambda v: f"{v:.1f} ms")
+    if any(r["skipped"] for r in results):
+        row("skipped steps (fp16 overflow)", [r["skipped"] for r in results], str)
+    console.print(table)
+    if args.backend == "gloo":
+        console.print("Step times: local processes on shared CPU cores, loopback links; the bytes are what a "
+                      "cluster would carry between nodes.")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.ranks, join=True)
+
+
+if __name__ == "__main__":
+    main()
