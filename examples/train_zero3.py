@@ -14,7 +14,8 @@ by side.
 CPU: gloo ranks, one thread each. GPUs: NCCL, one process per GPU; with a single GPU,
 several processes share it (each gets its own NCCL host id and NCCL talks over loopback
 sockets, see ../shared/gpu/README.md), which proves correctness, not speed. --backend
-gloo forces CPU.
+gloo forces CPU; --qcoll-backend torch sends qcoll's traffic through the torch
+ProcessGroup instead of qcoll's own NCCL communicators.
 
 The data is a fixed random second-order Markov language (examples/gpt.py): the loss falls
 from ln(vocab) towards the chain's entropy rate, printed at the start.
@@ -58,7 +59,11 @@ def parse_args(argv=None):
     p.add_argument("--compare", action="store_true",
                    help="run ZeRO-3 (all off) and ZeRO++ (all on) and compare; the default without technique flags")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="compute dtype (fp32 master weights)")
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="torch.distributed backend (auto: nccl when a GPU is present)")
+    p.add_argument("--qcoll-backend", choices=("auto", "nccl", "torch"), default="auto",
+                   help="qcoll's transport: its own NCCL communicators, or the torch ProcessGroup "
+                        "(auto: NCCL for CUDA tensors)")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--vocab", type=int, default=16)
@@ -75,6 +80,8 @@ def parse_args(argv=None):
         args.backend = "nccl" if gpus else "gloo"
     if args.backend == "nccl" and not gpus:
         p.error("--backend nccl needs a GPU")
+    if args.qcoll_backend == "nccl" and args.backend != "nccl":
+        p.error("--qcoll-backend nccl needs GPUs (--backend nccl)")
     if args.ranks is None:
         args.ranks = gpus if args.backend == "nccl" and gpus > 1 else 4
     if args.ranks < 1 or args.node_size < 1 or args.ranks % args.node_size:
@@ -153,7 +160,8 @@ def train(rank, args, device, group, language, cfg, name, techniques, progress=N
 
 def worker(rank, args, store):
     device = setup(rank, args, store)
-    group = qcoll.new_group(node_size=args.node_size)
+    group = qcoll.new_group(node_size=args.node_size,
+                            backend=None if args.qcoll_backend == "auto" else args.qcoll_backend)
     language = gpt.MarkovLanguage(args.vocab, seed=args.seed)
     cfg = gpt.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                         d_model=args.d_model, tie_weights=True)
