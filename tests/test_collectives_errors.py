@@ -442,3 +442,24 @@ def test_first_call_with_default_group_checks_before_communicating():
     for rank, (msg, count) in enumerate(run_ranks(2, _first_call_worker, timeout=60)):
         assert msg is not None and "numel" in msg, (rank, msg)
         assert count == 0, f"rank {rank} communicated {count} times before raising"
+
+
+def _strict_subgroup_worker(rank, world):
+    # A qcoll.Group of several emulated nodes over a ProcessGroup that not every rank is in:
+    # its intra/inter sub-groups must be created by the members alone.
+    sub = dist.new_group([0, 1, 2, 3])
+    if rank >= 4:
+        return None
+    g = qcoll.new_group(sub, node_size=2)
+    x = torch.arange(8, dtype=F32) * (rank + 1)
+    out = torch.empty(2)
+    qcoll.quantized_reduce_scatter(out, x, g, op="sum", intra_bits=None, inter_bits=None)
+    return out.tolist()
+
+
+def test_two_hop_group_over_a_strict_sub_group():
+    results = run_ranks(6, _strict_subgroup_worker, timeout=60)
+    for rank in range(4):
+        out = results[rank]
+        assert out == [float(2 * rank * 10), float((2 * rank + 1) * 10)], (rank, out)
+    assert results[4] is None and results[5] is None

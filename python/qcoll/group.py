@@ -58,18 +58,17 @@ class Group:
         return self._inter
 
     def _make_subgroups(self) -> None:
-        """Collective over the whole group: every rank creates every sub-group, in order."""
+        """Collective over the group's members: every member creates every sub-group of
+        the partition, in the same order (see _partition_groups)."""
         n, m = self.node_size, self.num_nodes
-        for k in range(m):
-            ranks = self.global_ranks[k * n : (k + 1) * n]
-            pg = dist.new_group(ranks)
-            if k == self.node and self._intra is None:
-                self._intra = _subgroup(pg, ranks, node_size=n, backend=self.backend)
-        for j in range(n):
-            ranks = self.global_ranks[j::n]
-            pg = dist.new_group(ranks)
-            if j == self.local_rank and self._inter is None:
-                self._inter = _subgroup(pg, ranks, node_size=1, backend=self.backend)
+        nodes = [self.global_ranks[k * n:(k + 1) * n] for k in range(m)]
+        columns = [self.global_ranks[j::n] for j in range(n)]
+        intra = _partition_groups(nodes, self.global_ranks)[self.node]
+        inter = _partition_groups(columns, self.global_ranks)[self.local_rank]
+        if self._intra is None:
+            self._intra = _subgroup(intra, nodes[self.node], node_size=n, backend=self.backend)
+        if self._inter is None:
+            self._inter = _subgroup(inter, columns[self.local_rank], node_size=1, backend=self.backend)
 
     # ---- transports --------------------------------------------------------------------
     def communicator(self, device: torch.device):
@@ -96,6 +95,20 @@ class Group:
     def __repr__(self) -> str:
         return (f"qcoll.Group(rank={self.rank}, size={self.size}, node_size={self.node_size}, "
                 f"num_nodes={self.num_nodes}, backend={self.backend!r})")
+
+
+def _partition_groups(blocks: list, members: list) -> list:
+    """ProcessGroups for disjoint blocks of ranks (None for a block of one rank).
+
+    When the members are the whole world, every rank creates every block's group in order:
+    torch numbers groups by a per-process counter, so ranks must create the same groups in
+    the same sequence. A strict sub-group cannot ask non-members to join; each member then
+    creates only its own block with group-local synchronization."""
+    if len(members) == dist.get_world_size():
+        return [dist.new_group(b) if len(b) > 1 else None for b in blocks]
+    me = dist.get_rank()
+    return [dist.new_group(b, use_local_synchronization=True) if (me in b and len(b) > 1) else None
+            for b in blocks]
 
 
 def _subgroup(pg, ranks, node_size: int, backend) -> Group:

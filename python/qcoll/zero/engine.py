@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..collectives import quantized_allgather
-from ..group import Group, new_group, resolve_group
+from ..group import Group, _partition_groups, _subgroup, new_group, resolve_group
 from .collectives import EngineCollectives
 from .config import ZeroConfig
 from .flat_unit import FlatUnit
@@ -29,12 +29,10 @@ def _hpz_group(group: Group, size: Optional[int]) -> Group:
         raise ValueError(f"hpz_group_size={size} must divide the node size {group.node_size}")
     if size == group.node_size:
         return group.intra
-    mine = None
-    for start in range(0, group.size, size):  # every rank creates every sub-group, in order
-        ranks = group.global_ranks[start:start + size]
-        pg = dist.new_group(ranks)
-        if start <= group.rank < start + size:
-            mine = pg
+    blocks = [group.global_ranks[s:s + size] for s in range(0, group.size, size)]
+    mine = _partition_groups(blocks, group.global_ranks)[group.rank // size]
+    if mine is None:  # one rank: its secondary shard is the whole gathered weight
+        return _subgroup(None, blocks[group.rank // size], node_size=1, backend=group.backend)
     return new_group(mine, node_size=size, backend=group.backend)
 
 
