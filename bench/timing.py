@@ -3,6 +3,7 @@ events on CUDA, and buffer rotation so that caches do not flatter the numbers.""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable, Sequence
@@ -105,3 +106,44 @@ def parse_sizes(text: str) -> list:
     if not sizes or min(sizes) <= 0:
         raise ValueError("sizes must be positive")
     return sizes
+
+
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy (user, nice, system, irq, softirq, steal)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return 0.0
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class OtherLoad:
+    """Cores' worth of CPU that other processes (and the hypervisor: steal) used while the
+    block ran: ~0 on a quiet machine. `with OtherLoad() as load: ...; load.cores`."""
+
+    def __enter__(self):
+        self.t0, self.busy0, self.own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
+        return self
+
+    def __exit__(self, *exc):
+        wall = max(time.perf_counter() - self.t0, 1e-9)
+        others = (_busy_seconds() - self.busy0) - (_own_seconds() - self.own0)
+        self.cores = max(0.0, others / wall)
+        return False
+
+
+def wait_for_quiet(max_cores: float = 0.25, timeout: float = 60.0, sample: float = 0.5) -> float:
+    """Sleep until other processes use less than max_cores (sampled over `sample` s), at
+    most `timeout` s; returns the last sample."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with OtherLoad() as load:
+            time.sleep(sample)
+        if load.cores < max_cores or time.monotonic() > deadline:
+            return load.cores

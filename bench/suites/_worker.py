@@ -31,12 +31,25 @@ CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # all_gather_single / reduce_scatter_single and deprecates the old names (same collective).
 TORCH_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 TORCH_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+MAX_OTHER_CORES = 0.5  # CPU used by other processes during a measurement: above, retry
 
 
 def _values(seed: tuple, n: int, dtype, device) -> torch.Tensor:
     """Gaussian values of one (rank, partition, size): any rank can regenerate any rank's."""
     g = torch.Generator().manual_seed(zlib.crc32(repr(seed).encode()))
     return torch.randn(n, generator=g).to(dtype).to(device)
+
+
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy (user, nice, system, irq, softirq, steal)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def _tx_bytes(iface) -> int:
@@ -64,38 +77,57 @@ class Bench:
         return t.tolist()
 
     def time(self, fn) -> dict:
-        """Median over repeats of the slowest rank's time; the node's egress bytes per call.
-        Calls under 20 ms (on rank 0's warm-up) get 4x the repeats: they are the noisiest."""
+        return self.time_interleaved({"fn": fn})["fn"]
+
+    def time_interleaved(self, fns: dict) -> dict:
+        """For each fn: the median over repeats of the slowest rank's time, the node's egress
+        bytes and this rank's page faults per call. The fns take turns (a, b, c, a, b, c,
+        ...), so load from other jobs that comes and goes falls on all of them alike; calls
+        under 20 ms get 4x the repeats (the noisiest). Also the CPU that processes other than
+        the ranks used meanwhile, in cores ("other_cores"; /proc/stat is machine-wide)."""
         t0 = time.perf_counter()
         for _ in range(self.cfg["warmup"]):
-            fn()
+            for fn in fns.values():
+                fn()
         self.sync()
-        quick_call = (time.perf_counter() - t0) / max(1, self.cfg["warmup"]) < 0.02
-        repeats = self.cfg["repeats"] * (4 if self.allsum([float(quick_call)], op=dist.ReduceOp.MIN)[0] else 1)
+        per_round = (time.perf_counter() - t0) / max(1, self.cfg["warmup"])
+        quick_calls = self.allsum([float(per_round < 0.02 * len(fns))], op=dist.ReduceOp.MIN)[0]
+        repeats = self.cfg["repeats"] * (4 if quick_calls else 1)
+        times = {k: [] for k in fns}
+        tx = dict.fromkeys(fns, 0)
+        faults = dict.fromkeys(fns, 0)
         dist.barrier()
-        tx0 = _tx_bytes(self.iface)
-        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        times = []
+        wall0, busy0, own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
         for _ in range(repeats):
-            dist.barrier()
-            self.sync()
-            t0 = time.perf_counter()
-            fn()
-            self.sync()
-            times.append(time.perf_counter() - t0)
-        faults1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for k, fn in fns.items():
+                dist.barrier()
+                self.sync()
+                tx0, f0 = _tx_bytes(self.iface), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                t0 = time.perf_counter()
+                fn()
+                self.sync()
+                times[k].append(time.perf_counter() - t0)
+                faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+                if self.cfg.get("iface"):  # all ranks done sending: count the call's bytes
+                    dist.barrier()
+                    tx[k] += _tx_bytes(self.iface) - tx0
         dist.barrier()
-        tx = (_tx_bytes(self.iface) - tx0) / repeats
-        slowest = self.allsum(times, op=dist.ReduceOp.MAX)
-        per_node_tx = [0.0] * (self.world // self.cfg["node_size"])
-        if self.iface:
-            per_node_tx[self.rank // self.cfg["node_size"]] = tx
-        per_node_tx = self.allsum(per_node_tx)
-        out = {"time_s": statistics.median(slowest), "times_s": slowest,
-               "page_faults_per_call": (faults1 - faults0) / repeats}
-        if self.cfg.get("iface"):
-            out["wire_bytes_per_node"] = max(per_node_tx)  # what the busiest uplink carried
-            out["wire_bytes"] = sum(per_node_tx)
+        wall, busy, own = time.perf_counter() - wall0, _busy_seconds() - busy0, _own_seconds() - own0
+        own_all = self.allsum([own])[0]
+        other = self.allsum([max(0.0, busy - own_all) / wall if self.rank == 0 else 0.0])[0]
+        out = {}
+        nodes = self.world // self.cfg["node_size"]
+        for k in fns:
+            slowest = self.allsum(times[k], op=dist.ReduceOp.MAX)
+            per_node_tx = [0.0] * nodes
+            if self.iface:
+                per_node_tx[self.rank // self.cfg["node_size"]] = tx[k] / repeats
+            per_node_tx = self.allsum(per_node_tx)
+            out[k] = {"time_s": statistics.median(slowest), "times_s": slowest,
+                      "page_faults_per_call": faults[k] / repeats, "other_cores": other}
+            if self.cfg.get("iface"):
+                out[k]["wire_bytes_per_node"] = max(per_node_tx)  # the busiest uplink
+                out[k]["wire_bytes"] = sum(per_node_tx)
         return out
 
     def accounted(self, fn, key: str) -> dict:
@@ -179,6 +211,34 @@ def ag_phases(b: "Bench", shard, full, n: int) -> dict:
     return _phase_times(b, {"kernels": kernels, "hop": lambda: TORCH_AG(recv, send)}, ws, shard.device)
 
 
+def measure(b: Bench, impls: dict, key: str, out, exact, common: dict) -> dict:
+    """Rows of one collective at one size: bytes by qcoll's rule and the error of one call
+    of each impl, then all impls timed taking turns. A measurement during which other
+    processes used over MAX_OTHER_CORES is repeated after a pause (up to MAX_ATTEMPTS in
+    all; the least disturbed kept)."""
+    rows = {}
+    for impl, fn in impls.items():
+        rows[impl] = dict(common, impl=impl)
+        if impl != "torch":
+            rows[impl].update(b.accounted(fn, key))
+        else:
+            fn()
+        rows[impl]["rel_error"] = b.error(out, exact)
+    best = None
+    for attempt in range(b.cfg.get("attempts", 1)):
+        if attempt:
+            time.sleep(2.0)  # let a burst of other work pass
+        timed = b.time_interleaved(impls)
+        other = next(iter(timed.values()))["other_cores"]
+        if best is None or other < best[0]:
+            best = (other, timed, attempt + 1)
+        if other <= MAX_OTHER_CORES:
+            break
+    for impl in impls:
+        rows[impl].update(best[1][impl], attempts=best[2])
+    return rows
+
+
 def main() -> None:
     cfg = json.load(open(sys.argv[1]))
     rank = int(sys.argv[2])
@@ -221,18 +281,11 @@ def main() -> None:
                 out, inp, group, intra_bits=None, inter_bits=None, hierarchical=False),
             "qcoll": lambda: qcoll.quantized_reduce_scatter(out, inp, group, pipeline_stages=stages),
         }
-        for impl, fn in impls.items():
-            row = dict(collective="reduce_scatter", impl=impl, bytes=size, numel_per_rank=n,
-                       dtype=cfg["dtype"])
-            if impl != "torch":
-                row.update(b.accounted(fn, "reduce_scatter"))
-            else:
-                fn()
-            row["rel_error"] = b.error(out, exact)
-            row.update(b.time(fn))
-            if impl == "qcoll" and cfg.get("phases") and group.num_nodes > 1 and group.node_size > 1:
-                row["phases_s"] = rs_phases(b, group, inp, out, n)
-            rows.append(row)
+        new = measure(b, impls, "reduce_scatter", out, exact,
+                      dict(collective="reduce_scatter", bytes=size, numel_per_rank=n, dtype=cfg["dtype"]))
+        if cfg.get("phases") and group.num_nodes > 1 and group.node_size > 1:
+            new["qcoll"]["phases_s"] = rs_phases(b, group, inp, out, n)
+        rows += new.values()
         del inp, out
         # ---- all-gather: output = every rank's shard, in rank order.
         shard = _values((rank, size, "ag"), n, dtype, device)
@@ -243,18 +296,11 @@ def main() -> None:
             "torch-via-qcoll": lambda: qcoll.quantized_allgather(full, shard, group, bits=None),
             "qcoll": lambda: qcoll.quantized_allgather(full, shard, group, bits=8),
         }
-        for impl, fn in impls.items():
-            row = dict(collective="allgather", impl=impl, bytes=size, numel_per_rank=n,
-                       dtype=cfg["dtype"])
-            if impl != "torch":
-                row.update(b.accounted(fn, "allgather"))
-            else:
-                fn()
-            row["rel_error"] = b.error(full, exact)
-            row.update(b.time(fn))
-            if impl == "qcoll" and cfg.get("phases"):
-                row["phases_s"] = ag_phases(b, shard, full, n)
-            rows.append(row)
+        new = measure(b, impls, "allgather", full, exact,
+                      dict(collective="allgather", bytes=size, numel_per_rank=n, dtype=cfg["dtype"]))
+        if cfg.get("phases"):
+            new["qcoll"]["phases_s"] = ag_phases(b, shard, full, n)
+        rows += new.values()
         del shard, full
         done += 1
         if rank == 0:

@@ -13,6 +13,10 @@ reduce-scatter's input, bf16) and collective, three implementations:
                    counts its bytes by qcoll's rule
   qcoll            qwZ int8 all-gather; 2-hop qgZ reduce-scatter (int8 in the node, int4
                    across, fp32 reduce)
+The three take turns call by call (torch, via-qcoll, qcoll, torch, ...) so that load from
+other jobs on a shared machine falls on all alike; a size measured while other processes
+used over half a core is measured again (full runs: up to 3 attempts; `other_cores` and
+`attempts` in each row).
 Reported: median over repeats of the slowest rank's time, speedup over torch, bytes handed
 to peers inside / across nodes per call (summed over ranks; torch's row repeats the
 torch-via-qcoll count), and the relative L2 error against the exact result (fp64)."""
@@ -34,7 +38,7 @@ GPU_ENV = {  # several NCCL ranks on one GPU: ../shared/gpu/README.md
 def config(sizes, quick: bool, device: str = "cpu", **extra) -> dict:
     return dict(world=WORLD, node_size=NODE_SIZE, sizes=list(sizes), dtype=DTYPE, device=device,
                 warmup=2 if quick else 3, repeats=5 if quick else 11, pipeline_stages=None,
-                phases=True, **extra)
+                phases=True, attempts=1 if quick else 3, **extra)
 
 
 def finish(rows: list, keys=("bytes",)) -> list:
@@ -74,7 +78,7 @@ def table(result: dict, extra=()) -> list:
              f"{result['node_size']}, {result['dtype']}, backend {result['backend']}; bytes per call "
              f"summed over ranks",
              f"{'collective':15}{head}{'size':>9} {'impl':16}{'ms':>9}{'speedup':>8}{'intra MB':>9}"
-             f"{'inter MB':>9}{'wire MB/node':>13}{'rel.err':>9}"]
+             f"{'inter MB':>9}{'wire MB/node':>13}{'rel.err':>9}{'others':>7}"]
     for r in result["rows"]:
         cols = "".join(f"{str(r.get(k)):>{w}}" for h, k, w in extra)
         wire = r.get("wire_bytes_per_node")
@@ -82,7 +86,8 @@ def table(result: dict, extra=()) -> list:
             f"{r['collective']:15}{cols}{human_bytes(r['bytes']):>9} {r['impl']:16}{r['time_s'] * 1e3:9.2f}"
             f"{r.get('speedup', float('nan')):8.2f}{r.get('intra_bytes', 0) / 1e6:9.2f}"
             f"{r.get('inter_bytes', 0) / 1e6:9.2f}{'' if wire is None else format(wire / 1e6, '.2f'):>13}"
-            f"{r['rel_error']:9.1e}")
+            f"{r['rel_error']:9.1e}{r.get('other_cores', float('nan')):7.2f}")
+    lines.insert(1, "others: cores of CPU other processes used while this size was timed (0 = quiet)")
     lines += phase_lines(result["rows"], extra)
     return lines
 

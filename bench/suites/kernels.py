@@ -19,8 +19,10 @@ Shared machines: each kernel is timed alternately with the copy (kernel, copy, k
 and its fraction is of the copy bandwidth measured alongside it, so that load from other
 jobs slows both alike. Each of the two is the best of 3 rounds (1 with --quick) of such
 medians: the estimate least disturbed by other jobs. The copy row gives the median of a
-size's copy measurements and their range; a size whose copy measurements spread by more
-than 1.5x is measured again (up to 3 attempts, the steadiest kept).
+size's copy measurements, their range, and the CPU other processes used meanwhile
+(`other_cores`, from /proc/stat). A size measured while others used over 0.25 cores is
+measured again after a quiet moment (up to 4 attempts, the least disturbed kept and flagged
+`disturbed` if none was clean).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 import qcoll
 from qcoll import _C
-from timing import copies_for, human_bytes, paired_median_seconds, size_ladder
+from timing import OtherLoad, copies_for, human_bytes, paired_median_seconds, size_ladder, wait_for_quiet
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -189,24 +191,28 @@ def _rows_at(copy: Copy, nbytes: int, device: torch.device):
         yield _reduce_values_row(copy, nbytes, device, dtype_name)
 
 
-# A size whose copy measurements (one per kernel) spread more than this (max / min) was
-# disturbed by other jobs: it is measured again, up to MAX_ATTEMPTS times in all (the least
-# spread attempt is kept; its spread is in the copy row).
-MAX_COPY_SPREAD = 1.5
-MAX_ATTEMPTS = 3
+# A size measured while other processes used more than MAX_OTHER_CORES cores of CPU was
+# disturbed: after waiting for a quiet moment it is measured again, up to MAX_ATTEMPTS times
+# (the least disturbed attempt is kept). The copy row also records the spread of the copy
+# measurements (max / min): large at cache-resident sizes even on a quiet machine.
+MAX_OTHER_CORES = 0.25
+MAX_ATTEMPTS = 4
 
 
 def _measure_size(nbytes: int, dev: torch.device, quick: bool) -> tuple:
     copy = Copy(nbytes, dev, rounds=1 if quick else 3, min_repeats=9 if quick else 15)
-    size_rows = [dict(device=dev.type, kernel=kernel, dtype=dtype_name, bytes=nbytes, gbps=gbps,
-                      copy_gbps=copy_gbps, frac_of_copy=gbps / copy_gbps)
-                 for kernel, dtype_name, gbps, copy_gbps in _rows_at(copy, nbytes, dev)]
+    with OtherLoad() as load:
+        size_rows = [dict(device=dev.type, kernel=kernel, dtype=dtype_name, bytes=nbytes, gbps=gbps,
+                          copy_gbps=copy_gbps, frac_of_copy=gbps / copy_gbps)
+                     for kernel, dtype_name, gbps, copy_gbps in _rows_at(copy, nbytes, dev)]
     samples = sorted(copy.samples)
     spread = samples[-1] / samples[0]
     copy_row = dict(device=dev.type, kernel="copy", dtype="fp32", bytes=nbytes,
                     gbps=statistics.median(samples), frac_of_copy=1.0,
-                    copy_gbps_range=[samples[0], samples[-1]], copy_spread=spread)
-    return [copy_row] + size_rows, spread
+                    copy_gbps_range=[samples[0], samples[-1]], copy_spread=spread,
+                    other_cores=load.cores)
+    disturbed = dev.type == "cpu" and load.cores > MAX_OTHER_CORES
+    return [copy_row] + size_rows, (disturbed, load.cores)
 
 
 def run(quick: bool, progress, sizes=None, device=None) -> dict:
@@ -218,13 +224,16 @@ def run(quick: bool, progress, sizes=None, device=None) -> dict:
         for nbytes in sizes:
             best = None
             for attempt in range(1 if quick else MAX_ATTEMPTS):
-                size_rows, spread = _measure_size(nbytes, dev, quick)
-                if best is None or spread < best[1]:
-                    best = (size_rows, spread)
-                if spread <= MAX_COPY_SPREAD:
+                if attempt:
+                    wait_for_quiet(MAX_OTHER_CORES)
+                size_rows, badness = _measure_size(nbytes, dev, quick)
+                if best is None or badness < best[1]:
+                    best = (size_rows, badness)
+                if not badness[0]:
                     break
-            size_rows, spread = best
+            size_rows, badness = best
             size_rows[0]["attempts"] = attempt + 1
+            size_rows[0]["disturbed"] = badness[0]
             rows += size_rows
             progress.advance(task)
     return {"rows": rows, "group_size": qcoll.DEFAULT_GROUP_SIZE, "targets": targets(rows)}
@@ -259,8 +268,13 @@ def _verdict(met) -> str:
 def table(result: dict) -> list:
     lines = [f"{'device':6} {'kernel':24} {'dtype':5} {'size':>9} {'GB/s':>8} {'of copy':>8}"]
     for r in result["rows"]:
+        note = ""
+        if r["kernel"] == "copy" and "other_cores" in r:
+            note = (f"   (others used {r['other_cores']:.2f} cores; copy range {r['copy_gbps_range'][0]:.1f}-"
+                    f"{r['copy_gbps_range'][1]:.1f}; attempt {r.get('attempts', 1)}"
+                    f"{', DISTURBED' if r.get('disturbed') else ''})")
         lines.append(f"{r['device']:6} {r['kernel']:24} {r['dtype']:5} {human_bytes(r['bytes']):>9} "
-                     f"{r['gbps']:8.2f} {r['frac_of_copy']:8.0%}")
+                     f"{r['gbps']:8.2f} {r['frac_of_copy']:8.0%}{note}")
     t = result.get("targets", {}).get("cpu_kernels_frac_of_copy")
     if t:
         big = t["missed_memory_bound"]
