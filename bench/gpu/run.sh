@@ -5,9 +5,9 @@
 #   bash bench/gpu/run.sh [OUT_DIR]        (OUT_DIR defaults to $OUT, else ./gpu-out)
 #
 # Steps: machine facts; build qcoll with its CUDA kernels; the GPU tests
-# (test_quantize_cuda, test_wire_cuda, test_nccl); the rest of the test suite; the `kernels`
-# suite on CUDA; the `collectives` suite with 4 NCCL ranks sharing GPU 0 (correctness and
-# bytes only: ranks time-slice one GPU, so its times mean little). Every step runs even if
+# (test_quantize_cuda, test_wire_cuda, test_nccl); the `kernels` suite on CUDA; the
+# `collectives` suite with 4 NCCL ranks sharing GPU 0 (correctness and bytes only: ranks
+# time-slice one GPU, so its times mean little); last, the rest of the test suite. Every step runs even if
 # an earlier one failed (after a failed build the later ones fail fast and say so); each
 # step's exit code, duration and log tail go into ONE results file:
 #
@@ -67,10 +67,12 @@ step machine 60 bash -c 'nvidia-smi; nvcc --version; python3 -V; python3 -c "imp
 step build 300 python3 -m pip install --no-build-isolation --no-deps -e . -q
 step import 60 python3 -c "import json, qcoll; i = qcoll.build_info(); print(json.dumps(i)); assert i['cuda_available'], 'no CUDA in this build'"
 step tests_gpu 240 python3 -m pytest -q -rs -p no:cacheprovider tests/test_quantize_cuda.py tests/test_wire_cuda.py tests/test_nccl.py
-step tests_rest 240 python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors tests \
-  --ignore=tests/test_quantize_cuda.py --ignore=tests/test_wire_cuda.py --ignore=tests/test_nccl.py
 step kernels_cuda 150 python3 bench/run.py kernels --device cuda --json "$WORK/kernels-cuda.json" --plot "$OUT_DIR/kernels-cuda.png"
 step collectives_nccl 150 python3 bench/run.py collectives --device cuda --quick --json "$WORK/collectives-nccl.json"
+
+# Last: the CPU tests (CI runs them too), with whatever time is left.
+step tests_rest 240 python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors tests \
+  --ignore=tests/test_quantize_cuda.py --ignore=tests/test_wire_cuda.py --ignore=tests/test_nccl.py
 
 # One results file: the steps and every suite's JSON.
 python3 - "$STEPS" "$WORK" "$OUT_DIR/gpu-results.json" <<'EOF'
