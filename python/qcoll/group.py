@@ -41,6 +41,7 @@ class Group:
         local = [p // node_size == self.node for p in range(self.size)]
         self._torch_comm = _C.TorchCommunicator(self.rank, self.size, local, transport)
         self._nccl_comm = None
+        self._cpu_workspace = None  # grow-only scratch of the collectives (collectives._workspace)
         self._intra = self if self.num_nodes == 1 else None
         self._inter = self if node_size == 1 else None
 
