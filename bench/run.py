@@ -8,6 +8,9 @@ Suites:
   collectives  qcoll's all-gather / reduce-scatter vs torch.distributed's, local ranks
   cluster      the collectives on an emulated cluster (network namespaces, tc-throttled
                links between nodes); needs root and `ip`/`tc`
+  zero         a ZeRO-3 training step (small GPT, qcoll.zero.ZeroEngine, 2 nodes x 2 gloo
+               ranks) per configuration: all off, qwZ, hpZ, qgZ alone, all on; --link GBIT
+               runs it on the cluster suite's emulated cluster at that link rate
 
 The last line printed is `RESULT {json}`; --json also writes the result, with the command,
 machine and date, to PATH (e.g. bench/results/<suite>-<machine>.json); --plot writes a PNG
@@ -30,7 +33,7 @@ import torch  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 import qcoll  # noqa: E402
-from suites import cluster, collectives, group_size, kernels  # noqa: E402
+from suites import cluster, collectives, group_size, kernels, zero  # noqa: E402
 from timing import parse_sizes  # noqa: E402
 
 # Each suite module provides run(quick, progress, **options) -> dict, table(result) -> lines,
@@ -40,14 +43,14 @@ SUITES = {
     "group_size": group_size,
     "collectives": collectives,
     "cluster": cluster,
-    # "zero": a ZeRO-3 training step per configuration (fp32 / qwZ / qwZ+hpZ / qwZ+hpZ+qgZ),
-    # to be added with the engine in python/qcoll/zero/ (suites/zero.py, same interface).
+    "zero": zero,
 }
 OPTIONS = {  # suite -> the options of this command line it understands
     "kernels": {"sizes", "device"},
     "group_size": set(),
     "collectives": {"sizes", "device"},
     "cluster": {"sizes"},
+    "zero": {"link", "tiny"},
 }
 
 
@@ -82,9 +85,16 @@ def main() -> None:
     # Hidden: comma-separated byte sizes (64K, 4M, 1G suffixes) instead of the suite's ladder
     # (the smoke test uses it).
     parser.add_argument("--sizes", type=parse_sizes, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--link", type=float, metavar="GBIT", default=None,
+                        help="zero: run on an emulated cluster (network namespaces, tc) with links "
+                             "throttled to GBIT Gbit/s; needs root")
+    # Hidden: the zero suite on a tiny model, 2 configurations, 3 steps (the smoke test).
+    parser.add_argument("--tiny", action="store_true", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.link is not None and args.link == int(args.link):
+        args.link = int(args.link)
 
-    options = {k: getattr(args, k) for k in ("sizes", "device") if getattr(args, k) is not None}
+    options = {k: getattr(args, k) for k in ("sizes", "device", "link", "tiny") if getattr(args, k) is not None}
     unknown = set(options) - OPTIONS[args.suite]
     if unknown:
         parser.error(f"suite {args.suite!r} does not take --{', --'.join(sorted(unknown))}")

@@ -35,3 +35,28 @@ def test_sizes_option_is_refused_where_it_does_not_apply():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "group_size", "--sizes", "1M"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "does not take --sizes" in proc.stderr
+
+
+def test_zero_tiny_result_line():
+    """`bench/run.py zero --tiny`: a tiny GPT, ZeRO-3 vs ZeRO++, 3 steps on 4 gloo ranks (~10 s)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "zero", "--tiny"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT "), last
+    result = json.loads(last[len("RESULT "):])
+    assert result["suite"] == "zero" and result["world"] == 4 and result["node_size"] == 2
+    rows = {r["config"]: r for r in result["rows"]}
+    assert set(rows) == {"ZeRO-3", "ZeRO++"}
+    for r in rows.values():
+        assert r["step_time_s"] > 0 and r["inter_bytes_per_rank"] > 0
+        assert len(r["losses"]) == r["steps"] and all(l == l for l in r["losses"])  # no NaN
+    # qwZ + hpZ + qgZ send far fewer bytes across nodes than plain ZeRO-3.
+    assert rows["ZeRO++"]["inter_bytes_per_rank"] < 0.5 * rows["ZeRO-3"]["inter_bytes_per_rank"]
+    assert "zeropp_step_speedup_local" in result["targets"]
+
+
+def test_link_option_is_refused_where_it_does_not_apply():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "collectives", "--link", "1"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "does not take --link" in proc.stderr

@@ -29,8 +29,8 @@ def _tail(path: str, lines: int = 25) -> str:
 
 def launch(config: dict, *, prefix: Optional[Callable[[int], list]] = None,
            env: Optional[Callable[[int], dict]] = None, progress=None, task=None,
-           timeout: float = 600.0) -> dict:
-    """Run _worker.py on config["world"] ranks; returns rank 0's result.
+           timeout: float = 600.0, worker: str = WORKER) -> dict:
+    """Run worker (default _worker.py) on config["world"] ranks; returns rank 0's result.
 
     prefix(rank): argv put before the interpreter (e.g. ["ip", "netns", "exec", NS]).
     env(rank): extra environment of that rank. progress/task: a rich Progress advanced by
@@ -49,7 +49,7 @@ def launch(config: dict, *, prefix: Optional[Callable[[int], list]] = None,
             for r in range(world):
                 log = os.path.join(tmp, f"rank{r}.log")
                 logs.append(log)
-                argv = (prefix(r) if prefix else []) + [sys.executable, WORKER, cfg_path, str(r)]
+                argv = (prefix(r) if prefix else []) + [sys.executable, worker, cfg_path, str(r)]
                 with open(log, "w") as err:
                     procs.append(subprocess.Popen(
                         argv, env=dict(base_env, **(env(r) if env else {})), stderr=err,

@@ -1,0 +1,151 @@
+"""`zero` suite: one ZeRO-3 training step of examples/gpt.py's small GPT with
+qcoll.zero.ZeroEngine, per ZeRO++ configuration.
+
+4 gloo ranks as 2 nodes x 2 (qcoll.new_group(node_size=2)), bf16 compute, fp32 master
+weights, AdamW. Configurations: all off ("ZeRO-3"), qwZ alone, hpZ alone, qgZ alone, all on
+("ZeRO++"); each trains the same model from the same seed on the same synthetic Markov data
+for N steps, in the same processes one after the other. Per configuration: the median over
+the steps after warm-up of the slowest rank's step time (forward + backward + optimizer
+step), the bytes the engine sent to other nodes and inside the node per step and rank
+(engine.stats() deltas, qcoll's accounting), and the loss after N steps.
+
+--link GBIT: the same inside the cluster suite's emulated cluster (_netns.py: one network
+namespace per node, tc tbf throttling each node's link to GBIT Gbit/s both ways), ZeRO-3 vs
+ZeRO++ only (all five with the full run), with the bytes that actually left each node's veth,
+and the speedup of ZeRO++ over ZeRO-3 against the target (measured, never asserted).
+Needs root and iproute2 for --link."""
+
+from __future__ import annotations
+
+import os
+
+from . import _netns, _ranks
+
+NODES, NODE_SIZE = 2, 2
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_zero_worker.py")
+CONFIGS = [
+    ("ZeRO-3", dict(qwz=False, hpz=False, qgz=False)),
+    ("qwZ", dict(qwz=True, hpz=False, qgz=False)),
+    ("hpZ", dict(qwz=False, hpz=True, qgz=False)),
+    ("qgZ", dict(qwz=False, hpz=False, qgz=True)),
+    ("ZeRO++", dict(qwz=True, hpz=True, qgz=True)),
+]
+TARGET = 2.0  # a ZeRO-3 step with all three on >= 2x faster than with all off ...
+TARGET_GBIT = 1  # ... at 1 Gbit/s between nodes
+
+
+def config(quick: bool, link: bool = False, tiny: bool = False) -> dict:
+    if tiny:  # the smoke test
+        model, steps, warmup, batch, seq = dict(d_model=32, layers=1, heads=2, vocab=32), 3, 1, 2, 16
+    elif quick:
+        model, steps, warmup, batch, seq = dict(d_model=128, layers=2, heads=4, vocab=128), 10, 2, 4, 32
+    else:
+        model, steps, warmup, batch, seq = dict(d_model=256, layers=2, heads=4, vocab=256), 30, 3, 4, 32
+    configs = [c for c in CONFIGS if c[0] in ("ZeRO-3", "ZeRO++")] if (link and quick) or tiny else CONFIGS
+    return {"world": NODES * NODE_SIZE, "node_size": NODE_SIZE, "model": model, "steps": steps,
+            "warmup": warmup, "batch": batch, "seq": seq, "lr": 3e-3, "seed": 0, "configs": configs}
+
+
+def run(quick: bool, progress, link=None, tiny=False) -> dict:
+    cfg = config(quick, link is not None, tiny)
+    task = progress.add_task("zero", total=len(cfg["configs"]))
+    extra = {}
+    if link is None:
+        out = _ranks.launch(cfg, progress=progress, task=task, timeout=1800, worker=WORKER)
+    else:
+        why = _netns.available()
+        if why:
+            raise SystemExit(f"zero suite --link: {why}")
+        with _netns.EmulatedCluster(NODES) as cluster:
+            cluster.set_link(link, delay_us=50)
+            extra["probe"] = dict(cluster.probe(), delay_us=cluster.delay_us)
+            extra["qdiscs"] = cluster.qdiscs()
+            out = _ranks.launch(
+                dict(cfg, iface=_netns.IFACE), prefix=lambda r: cluster.exec_prefix(r // NODE_SIZE),
+                env=lambda r: {"GLOO_SOCKET_IFNAME": _netns.IFACE, "QCOLL_HOST_ID": f"node{r // NODE_SIZE}"},
+                progress=progress, task=task, timeout=1800, worker=WORKER)
+    rows = out["rows"]
+    base = next(r for r in rows if r["config"] == "ZeRO-3")
+    for r in rows:
+        r["speedup_vs_zero3"] = base["step_time_s"] / r["step_time_s"]
+        r["inter_bytes_vs_zero3"] = (r["inter_bytes_per_rank"] / base["inter_bytes_per_rank"]
+                                     if base["inter_bytes_per_rank"] else None)
+    result = {"world": cfg["world"], "node_size": NODE_SIZE, "backend": "gloo", "compute_dtype": "bf16",
+              "model": dict(cfg["model"], params=out["params"]), "batch_per_rank": cfg["batch"],
+              "seq": cfg["seq"], "steps": cfg["steps"], "warmup": cfg["warmup"],
+              "entropy_rate": out["entropy"], "link_gbit": link, **extra, "rows": rows}
+    result["targets"] = targets(result)
+    return result
+
+
+def targets(result: dict) -> dict:
+    """ZeRO++ vs ZeRO-3 step time: the target applies at TARGET_GBIT Gbit/s; elsewhere the
+    speedup is recorded for reference (target_applies false)."""
+    rows = {r["config"]: r for r in result["rows"]}
+    if "ZeRO++" not in rows:
+        return {}
+    s = rows["ZeRO++"]["speedup_vs_zero3"]
+    where = "local" if result["link_gbit"] is None else f"{result['link_gbit']}gbit"
+    return {f"zeropp_step_speedup_{where}": {
+        "target": TARGET, "target_link_gbit": TARGET_GBIT,
+        "target_applies": result["link_gbit"] == TARGET_GBIT,
+        "measured": round(s, 3), "met": s >= TARGET,
+        "short_by": None if s >= TARGET else round(TARGET - s, 3),
+        "short_by_frac": None if s >= TARGET else round(1 - s / TARGET, 3)}}
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def table(result: dict) -> list:
+    m = result["model"]
+    where = ("local loopback (gloo)" if result["link_gbit"] is None
+             else f"emulated cluster, {result['link_gbit']} Gbit/s links")
+    lines = [f"GPT d_model {m['d_model']}, {m['layers']} layers, vocab {m['vocab']} ({m['params'] / 1e6:.2f}M "
+             f"params); {result['world']} ranks as {result['world'] // result['node_size']} nodes x "
+             f"{result['node_size']}; bf16; batch {result['batch_per_rank']} x {result['seq']} per rank; "
+             f"{result['steps']} steps ({result['warmup']} warm-up); {where}"]
+    if "probe" in result:
+        p = result["probe"]
+        lines.append(f"link probed {p['gbit_s']:.2f} Gbit/s one stream, RTT {p['rtt_us']:.0f} us")
+    wire = any("wire_bytes_per_node" in r for r in result["rows"])
+    lines.append(f"{'config':8} {'step ms':>9} {'speedup':>8} {'x-node/rank':>12} {'in-node/rank':>13}"
+                 + (f" {'wire/node':>10}" if wire else "") + f" {'loss@N':>8}")
+    for r in result["rows"]:
+        lines.append(f"{r['config']:8} {r['step_time_s'] * 1e3:9.1f} {r['speedup_vs_zero3']:7.2f}x "
+                     f"{_mb(r['inter_bytes_per_rank']):>12} {_mb(r['intra_bytes_per_rank']):>13}"
+                     + (f" {_mb(r['wire_bytes_per_node']):>10}" if wire else "") + f" {r['loss_final']:8.4f}")
+    lines.append(f"loss starts at ~ln(vocab); the language's entropy rate is {result['entropy_rate']:.3f}")
+    for key, t in result["targets"].items():
+        verdict = "met" if t["met"] else f"MISSED by {t['short_by']:.2f}x ({t['short_by_frac']:.0%})"
+        note = "" if t["target_applies"] else f" (target is for {t['target_link_gbit']} Gbit/s; here for reference)"
+        lines.append(f"target {key}: ZeRO++ >= {t['target']}x faster than ZeRO-3: "
+                     f"{t['measured']:.2f}x, {verdict}{note}")
+    return lines
+
+
+def plot(result: dict, path: str) -> None:
+    from plotting import _plt, _subtitle
+
+    plt = _plt()
+    rows = result["rows"]
+    names = [r["config"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    bars = ax1.bar(names, [r["step_time_s"] * 1e3 for r in rows], color="tab:blue")
+    for b, r in zip(bars, rows):
+        ax1.annotate(f"{r['speedup_vs_zero3']:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+                     ha="center", va="bottom", fontsize=8)
+    ax1.set_ylabel("step time, median (ms)")
+    link = result["link_gbit"]
+    ax1.set_title("ZeRO-3 step time per configuration"
+                  + (f", {link} Gbit/s links" if link is not None else ", local gloo"))
+    ax2.bar(names, [r["inter_bytes_per_rank"] / 1e6 for r in rows], color="tab:orange")
+    ax2.set_ylabel("cross-node MB per step per rank")
+    ax2.set_title("cross-node bytes (engine.stats())")
+    for ax in (ax1, ax2):
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(_subtitle(result), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
