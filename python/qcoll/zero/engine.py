@@ -62,7 +62,9 @@ class ZeroEngine:
         self.optimizer = optimizer_factory([u.master for u in self.units])
         self.scaler = LossScaler(config.compute_dtype == torch.float16, config.loss_scale,
                                  config.initial_loss_scale, config.loss_scale_window)
-        self._forward_order: List[int] = []  # units in order of first use (backward prefetch)
+        self._forward_order: List[int] = []  # units in order of first use
+        self._backward_order: List[int] = []  # _forward_order reversed (backward prefetch)
+        self._backward_position: Dict[int, int] = {}  # unit -> index in _backward_order
         self._forward_calls: List[List[int]] = []  # units of each module call (forward prefetch)
         self._forward_call = 0  # this forward's position in _forward_calls
         self._order_known = False
@@ -141,10 +143,11 @@ class ZeroEngine:
                 for u in self._forward_calls[self._forward_call]:
                     self._gather(self.units[u], backward, async_op=True)
             return
-        order = self._forward_order[::-1]
-        last = max(order.index(u) for u in unit_ids if u in order) if any(u in order for u in unit_ids) else None
-        if last is not None and last + 1 < len(order):
-            self._gather(self.units[order[last + 1]], backward, async_op=True)
+        # Backward runs the recorded forward order in reverse: gather the unit that follows
+        # the latest of this module's units in that order.
+        positions = [self._backward_position[u] for u in unit_ids if u in self._backward_position]
+        if positions and max(positions) + 1 < len(self._backward_order):
+            self._gather(self.units[self._backward_order[max(positions) + 1]], backward, async_op=True)
 
     def _make_pre_forward(self, unit_ids: List[int]):
         def hook(module, args):
@@ -195,9 +198,11 @@ class ZeroEngine:
             t.register_hook(pre_backward)
 
     def _make_grad_ready(self, unit: FlatUnit):
+        expected = sum(p.requires_grad for p in unit.params)
+
         def hook(param):
             unit.grads_ready += 1
-            if unit.grads_ready == sum(p.requires_grad for p in unit.params):
+            if unit.grads_ready == expected:
                 self._reduce(unit)
         return hook
 
@@ -236,7 +241,10 @@ class ZeroEngine:
             unit.reduced = False
             unit.users = 0
         self._in_backward = False
-        self._order_known = True
+        if not self._order_known:
+            self._order_known = True
+            self._backward_order = self._forward_order[::-1]
+            self._backward_position = {u: i for i, u in enumerate(self._backward_order)}
 
     @torch.no_grad()
     def step(self) -> bool:
