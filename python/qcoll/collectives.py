@@ -190,13 +190,8 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     op_code = OPS[op]
 
     def launch(comm, kind, index, stream):
-        for sub in (g.intra, g.inter) if plan.two_hop else ():
-            sub._buffers.set(input, output, workspace)
-        try:
-            _C.reduce_scatter(plan, comm, intra_comm, inter_comm, code, op_code, input.data_ptr(),
-                              output.data_ptr(), workspace.data_ptr(), kind, index, stream)
-        finally:
-            for sub in (g.intra, g.inter) if plan.two_hop else ():
-                sub._buffers.clear()
+        # g.intra and g.inter share g's buffer registry, which _run fills for this call.
+        _C.reduce_scatter(plan, comm, intra_comm, inter_comm, code, op_code, input.data_ptr(),
+                          output.data_ptr(), workspace.data_ptr(), kind, index, stream)
 
     return _run(g, input.device, (input, output, workspace), launch, async_op)

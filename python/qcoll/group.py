@@ -23,7 +23,8 @@ class Group:
     rank's local index on every node (a Group of num_nodes ranks, one per node).
     """
 
-    def __init__(self, pg, node_size: int, backend: Optional[str], *, _singleton: bool = False):
+    def __init__(self, pg, node_size: int, backend: Optional[str], *, _singleton: bool = False,
+                 _buffers: Optional[Buffers] = None):
         self.pg = pg
         self.backend = backend
         self.node_size = node_size
@@ -36,7 +37,8 @@ class Group:
         self.num_nodes = self.size // node_size
         self.node = self.rank // node_size
         self.local_rank = self.rank % node_size
-        self._buffers = Buffers()
+        # Sub-groups share their parent's registry: one call's buffers serve every hop.
+        self._buffers = _buffers if _buffers is not None else Buffers()
         transport = SelfTransport(self._buffers) if self.size == 1 else ProcessGroupTransport(pg, self._buffers)
         local = [p // node_size == self.node for p in range(self.size)]
         self._torch_comm = _C.TorchCommunicator(self.rank, self.size, local, transport)
@@ -67,9 +69,9 @@ class Group:
         intra = _partition_groups(nodes, self.global_ranks)[self.node]
         inter = _partition_groups(columns, self.global_ranks)[self.local_rank]
         if self._intra is None:
-            self._intra = _subgroup(intra, nodes[self.node], node_size=n, backend=self.backend)
+            self._intra = _subgroup(intra, nodes[self.node], n, self.backend, self._buffers)
         if self._inter is None:
-            self._inter = _subgroup(inter, columns[self.local_rank], node_size=1, backend=self.backend)
+            self._inter = _subgroup(inter, columns[self.local_rank], 1, self.backend, self._buffers)
 
     # ---- transports --------------------------------------------------------------------
     def communicator(self, device: torch.device):
@@ -112,10 +114,10 @@ def _partition_groups(blocks: list, members: list) -> list:
             for b in blocks]
 
 
-def _subgroup(pg, ranks, node_size: int, backend) -> Group:
+def _subgroup(pg, ranks, node_size: int, backend, buffers: Optional[Buffers] = None) -> Group:
     if len(ranks) == 1:
-        return Group(None, 1, backend, _singleton=True)
-    return Group(pg, node_size, backend)
+        return Group(None, 1, backend, _singleton=True, _buffers=buffers)
+    return Group(pg, node_size, backend, _buffers=buffers)
 
 
 def _host_id() -> str:
