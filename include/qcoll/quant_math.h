@@ -50,28 +50,31 @@ QCOLL_HD float div(float a, float b) {
 #endif
 }
 
-QCOLL_HD bool is_finite(float x) {
-  // Exponent field all ones means Inf or NaN; written on bits so -ffinite-math-only or a
-  // vectorizer cannot fold it away.
-  uint32_t u;
+QCOLL_HD uint32_t float_bits(float x) {
 #if defined(__CUDA_ARCH__)
-  u = __float_as_uint(x);
+  return __float_as_uint(x);
 #else
+  uint32_t u;
   std::memcpy(&u, &x, 4);
+  return u;
 #endif
-  return (u & 0x7f800000u) != 0x7f800000u;
 }
 
-QCOLL_HD float quiet_nan() {
-  uint32_t u = 0x7fc00000u;
-  float f;
+QCOLL_HD float bits_float(uint32_t u) {
 #if defined(__CUDA_ARCH__)
-  f = __uint_as_float(u);
+  return __uint_as_float(u);
 #else
+  float f;
   std::memcpy(&f, &u, 4);
-#endif
   return f;
+#endif
 }
+
+// Exponent field all ones means Inf or NaN; tested on the bits so no compiler option
+// (-ffinite-math-only) or vectorizer can fold it away.
+QCOLL_HD bool is_finite(float x) { return (float_bits(x) & 0x7f800000u) != 0x7f800000u; }
+
+QCOLL_HD float quiet_nan() { return bits_float(0x7fc00000u); }
 
 // Round half to even for |v| < 2^22 (codes are at most 255 in magnitude). Adding and
 // subtracting 1.5 * 2^23 rounds in the FPU's default mode (nearest-even) on any ISA and
@@ -134,26 +137,6 @@ struct GroupStats {
   uint32_t abs_bits;
   int32_t lo_key, hi_key;
 };
-
-QCOLL_HD uint32_t float_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-#endif
-}
-
-QCOLL_HD float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
-}
 
 QCOLL_HD int32_t sortable_key(uint32_t u) {
   return static_cast<int32_t>(u ^ (static_cast<uint32_t>(static_cast<int32_t>(u) >> 31) & 0x7fffffffu));
@@ -237,15 +220,11 @@ QCOLL_HD int32_t bits_to_code(uint8_t b, int bits, bool symmetric) {
 // ---- dtype conversions (host side; device code uses the CUDA intrinsics, which round
 // the same way: nearest-even, NaN stays NaN) -------------------------------------------
 inline float bf16_bits_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+  return bits_float(static_cast<uint32_t>(h) << 16);
 }
 
 inline uint16_t float_to_bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  uint32_t u = float_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff;  // canonical NaN, as CUDA returns
   u += 0x7fffu + ((u >> 16) & 1u);                   // round to nearest even
   return static_cast<uint16_t>(u >> 16);
@@ -270,14 +249,11 @@ inline float half_bits_to_float(uint16_t h) {
     }
     u = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
   }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+  return bits_float(u);
 }
 
 inline uint16_t float_to_half_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  const uint32_t u = float_bits(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return 0x7fff;                          // NaN (CUDA's canonical)
