@@ -24,9 +24,10 @@ void validate(const WireFormat& fmt) {
     spec.group_size = fmt.group_size;
     validate(spec);
   }
-  QCOLL_ARG_CHECK(dtype_valid(static_cast<int32_t>(fmt.raw_dtype)),
-                  "wire raw dtype must be float32, float16 or bfloat16 (code 0-2), got code ",
-                  static_cast<int>(fmt.raw_dtype));
+  const int32_t raw = static_cast<int32_t>(fmt.raw_dtype);
+  QCOLL_ARG_CHECK(fmt.quantized() ? dtype_valid(raw) : raw_dtype_valid(raw),
+                  "wire dtype must be float32, float16 or bfloat16 (code 0-2)",
+                  fmt.quantized() ? "" : " or raw bytes (code 3)", ", got code ", raw);
 }
 
 namespace {
@@ -77,6 +78,9 @@ void encode_chunks(const EncodeArgs& a) {
 
 void reduce_chunks(const ReduceArgs& a) {
   validate(a.in_fmt);
+  QCOLL_ARG_CHECK(dtype_valid(static_cast<int32_t>(a.in_fmt.raw_dtype)),
+                  "reduce: values must be float32, float16 or bfloat16 (code 0-2), got code ",
+                  static_cast<int>(a.in_fmt.raw_dtype));
   QCOLL_ARG_CHECK(a.len >= 0, "reduce: len must be >= 0, got ", a.len);
   QCOLL_ARG_CHECK(a.sources >= 1, "reduce: sources must be >= 1, got ", a.sources);
   QCOLL_ARG_CHECK(a.outputs >= 1, "reduce: outputs must be >= 1, got ", a.outputs);

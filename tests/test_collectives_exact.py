@@ -148,3 +148,38 @@ def test_unquantized_matches_torch(world, node_size, dtypes, sizes, stages):
         # Every call was counted once, and stats() splits them by collective.
         assert rs_calls + ag_calls == calls
         assert ag_calls == 2 * len(dtypes) * len(sizes)
+
+
+# ---- raw bytes: any other dtype, unquantized ----------------------------------------------
+RAW_DTYPES = (torch.uint8, torch.int64, torch.bool, torch.float64)
+
+
+def _raw_worker(rank, world, node_size, sizes):
+    g = qcoll.new_group(node_size=node_size)
+    for dtype in RAW_DTYPES:
+        for n in sizes:
+            gen = _gen("raw", n, dtype)
+            high = 2 if dtype == torch.bool else 256  # a bool byte is 0 or 1
+            every = [torch.randint(0, high, (n * torch.empty(0, dtype=dtype).element_size(),),
+                                   generator=gen, dtype=torch.uint8).view(dtype) for _ in range(world)]
+            nbytes = world * n * every[0].element_size()
+            buf = torch.full((nbytes + 16,), 0xA5, dtype=torch.uint8)  # 8 guard bytes each side
+            out = buf[8 : 8 + nbytes].view(dtype)
+            qcoll.reset_stats()
+            qcoll.quantized_allgather(out, every[rank].clone(), g, bits=None)
+            want = torch.cat(every)
+            assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), (dtype, n)
+            assert bool((buf[:8] == 0xA5).all() and (buf[-8:] == 0xA5).all()), "wrote outside the output"
+            stats = qcoll.stats()["allgather"]
+            assert stats["intra_bytes"] + stats["inter_bytes"] == (world - 1) * n * every[0].element_size()
+            for bits in (8, 4):
+                with pytest.raises(TypeError, match="dtype"):
+                    qcoll.quantized_allgather(out, every[rank], g, bits=bits)
+    return True
+
+
+@pytest.mark.parametrize("world,node_size", [(1, 1), (4, 2), (6, 2)])
+def test_unquantized_allgather_moves_any_dtype_as_raw_bytes(world, node_size):
+    """FSDP2 all-gathers uint8 when a group mixes parameter dtypes: bits=None moves any dtype
+    exactly (odd byte counts too), counted as raw bytes; quantizing one raises."""
+    assert all(run_ranks(world, _raw_worker, node_size, [0, 1, 3, 17, 1000]))

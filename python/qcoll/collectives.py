@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._device import device_args
-from ._dtypes import dtype_code
+from ._dtypes import BYTES_CODE, DTYPE_CODES, dtype_code
 from .group import Group, resolve_group
 from .quantization import check_group_size
 
@@ -47,13 +47,19 @@ def _check_bits(bits, name: str) -> int:
     return int(bits)
 
 
-def _check_pair(output, input, expected_out: int, expected_in: int, what: str) -> int:
+def _check_pair(output, input, expected_out: int, expected_in: int, what: str,
+                raw_bytes_ok: bool = False) -> int:
+    """The dtype code of a valid pair; raw_bytes_ok (unquantized all-gather): a non-float
+    dtype is moved as raw bytes (BYTES_CODE)."""
     for name, t in (("output", output), ("input", input)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_contiguous():
             raise ValueError(f"{what}: {name} must be contiguous")
-    code = dtype_code(input.dtype, f"{what}: input")
+    if raw_bytes_ok and input.dtype not in DTYPE_CODES:
+        code = BYTES_CODE
+    else:
+        code = dtype_code(input.dtype, f"{what}: input")
     if output.dtype != input.dtype:
         raise ValueError(f"{what}: output dtype {output.dtype} does not match input dtype {input.dtype}")
     if output.device != input.device:
@@ -135,11 +141,15 @@ def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *
     """all_gather_into_tensor semantics: output = concatenation of every rank's input, in
     rank order. bits=8/4 block-quantizes what travels (every rank, this one included,
     dequantizes the same bytes, so all outputs are bit-identical); bits=None is the
-    transport's own all-gather in the input dtype."""
+    transport's own all-gather in the input dtype, which may then be any dtype (a
+    non-float one travels as raw bytes, exactly). The input may be a view of this rank's
+    slot of the output (in place)."""
     size = _group_size(group)
     n = input.numel() if isinstance(input, torch.Tensor) else 0
-    code = _check_pair(output, input, size * n, n, "quantized_allgather")
     wire_bits = _check_bits(bits, "bits")
+    code = _check_pair(output, input, size * n, n, "quantized_allgather", raw_bytes_ok=wire_bits == 0)
+    if code == BYTES_CODE:
+        n *= input.element_size()
     group_size = check_group_size(group_size)
     g = resolve_group(group)
     _debug_check(g, ("quantized_allgather", n, output.numel(), str(input.dtype), bits, group_size))

@@ -24,6 +24,8 @@ ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t 
                   node_size, " must divide the group size ", world);
   QCOLL_ARG_CHECK(n >= 0, "output numel must be >= 0, got ", n);
   QCOLL_ARG_CHECK(stages >= 1, "pipeline_stages must be >= 1, got ", stages);
+  QCOLL_ARG_CHECK(dtype_valid(static_cast<int32_t>(dtype)), "reduce_scatter: dtype must be "
+                  "float32, float16 or bfloat16 (code 0-2), got code ", static_cast<int>(dtype));
   ReduceScatterPlan p;
   p.world = world;
   p.node_size = node_size;

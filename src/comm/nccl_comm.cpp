@@ -41,6 +41,7 @@ ncclDataType_t nccl_type(DType t) {
     case DType::kFloat32: return ncclFloat32;
     case DType::kFloat16: return ncclFloat16;
     case DType::kBFloat16: return ncclBfloat16;
+    case DType::kBytes: break;  // raw bytes are never reduced
   }
   throw ArgumentError("NCCL reduce_scatter: unknown dtype code " +
                       std::to_string(static_cast<int>(t)));

@@ -256,6 +256,7 @@ void dispatch(DType dtype, int bits, F&& f) {
     case DType::kFloat32: return with_bits(Fp32{});
     case DType::kFloat16: return with_bits(Fp16{});
     case DType::kBFloat16: return with_bits(Bf16{});
+    case DType::kBytes: break;  // never reaches a kernel (checked in kernels.cpp / wire.cpp)
   }
 }
 

@@ -418,6 +418,7 @@ void with_dtype(DType dtype, F&& f) {
     case DType::kFloat32: return f(Fp32{});
     case DType::kFloat16: return f(Fp16{});
     case DType::kBFloat16: return f(Bf16{});
+    case DType::kBytes: break;  // never reaches a kernel (checked in wire.cpp)
   }
 }
 
