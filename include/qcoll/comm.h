@@ -70,6 +70,8 @@ class Communicator {
   // The transport's own reduce-scatter: send holds size() * count elements, recv count.
   void reduce_scatter(BufferRef send, BufferRef recv, int64_t count, DType dtype, ReduceOp op,
                       const Device& dev, Traffic& traffic);
+  // Adds one exchange of bytes_per_peer to every other member to `traffic` (the rule).
+  void count(int64_t bytes_per_peer, Traffic& traffic) const;
 
  protected:
   virtual void do_all_to_all(BufferRef send, BufferRef recv, int64_t bytes_per_peer,
@@ -80,8 +82,6 @@ class Communicator {
                                  ReduceOp op, const Device& dev) = 0;
 
  private:
-  void count(int64_t bytes_per_peer, Traffic& traffic) const;
-
   int rank_;
   int size_;
   std::vector<bool> member_is_local_;

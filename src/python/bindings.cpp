@@ -9,6 +9,7 @@
 
 #include "qcoll/collectives.h"
 #include "qcoll/device.h"
+#include "qcoll/error.h"
 #include "qcoll/kernels.h"
 #include "qcoll/nccl_api.h"
 #include "qcoll/wire.h"
@@ -149,7 +150,18 @@ void bind_collectives(py::module_& m) {
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator")
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("size", &Communicator::size)
-      .def("is_local", &Communicator::is_local);
+      .def("is_local", &Communicator::is_local)
+      // Counts a call made outside qcoll (torch's own, e.g. FSDP2's default collectives)
+      // under qcoll's accounting rule, so baselines and qcoll are measured alike.
+      .def("account", [](const Communicator& c, const std::string& collective, int64_t bytes_per_peer) {
+        QCOLL_ARG_CHECK(bytes_per_peer >= 0, "bytes_per_peer must be >= 0, got ", bytes_per_peer);
+        QCOLL_ARG_CHECK(collective == "allgather" || collective == "reduce_scatter",
+                        "collective must be 'allgather' or 'reduce_scatter', got '", collective, "'");
+        qcoll::Traffic& t = collective == "allgather" ? qcoll::allgather_traffic()
+                                                      : qcoll::reduce_scatter_traffic();
+        t.calls += 1;
+        c.count(bytes_per_peer, t);
+      }, py::arg("collective"), py::arg("bytes_per_peer"));
   py::class_<qcoll::TorchCommunicator, Communicator, std::shared_ptr<qcoll::TorchCommunicator>>(
       m, "TorchCommunicator")
       .def(py::init<int, int, std::vector<bool>, py::object>(), py::arg("rank"), py::arg("size"),
