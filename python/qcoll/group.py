@@ -162,12 +162,13 @@ def _check_layout(hosts: list, node_size: int) -> None:
 def new_group(pg=None, *, node_size: Optional[int] = None, backend: Optional[str] = None) -> Group:
     """A qcoll.Group over ProcessGroup ``pg`` (None: the default group).
 
-    node_size: ranks per node; defaults to LOCAL_WORLD_SIZE (the whole group if unset) for
-    the default group, and to the number of the group's ranks per host for any other
-    ProcessGroup (LOCAL_WORLD_SIZE describes the world, not a sub-group: an HSDP replicate
-    group has one rank per host). An explicit value lets one host emulate several nodes. backend: "nccl" (qcoll's own NCCL
-    communicators), "torch" (the ProcessGroup itself), or None (NCCL for CUDA tensors when
-    available, else torch). Collective: every rank of pg must call it.
+    node_size: ranks per node; defaults to LOCAL_WORLD_SIZE for the default group, and to
+    the number of the group's ranks per host for any other ProcessGroup, or when
+    LOCAL_WORLD_SIZE is unset (LOCAL_WORLD_SIZE describes the world, not a sub-group: an
+    HSDP replicate group has one rank per host). An explicit value lets one host emulate
+    several nodes. backend: "nccl" (qcoll's own NCCL communicators), "torch" (the
+    ProcessGroup itself), or None (NCCL for CUDA tensors when available, else torch).
+    Collective: every rank of pg must call it.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("qcoll.new_group needs torch.distributed: call init_process_group first")
@@ -180,8 +181,8 @@ def new_group(pg=None, *, node_size: Optional[int] = None, backend: Optional[str
         raise ValueError(f"node_size must be a positive divisor of the group size {size}, got {node_size!r}")
     hosts = _gather_hosts(pg, size, node_size)
     if node_size is None:
-        if pg is dist.group.WORLD:
-            node_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        if pg is dist.group.WORLD and "LOCAL_WORLD_SIZE" in os.environ:
+            node_size = int(os.environ["LOCAL_WORLD_SIZE"])
             if size % node_size:
                 raise ValueError(f"LOCAL_WORLD_SIZE={node_size} does not divide the group size "
                                  f"{size}; pass node_size explicitly")
