@@ -1,0 +1,291 @@
+"""qcoll inside PyTorch FSDP2: ZeRO++ on ``fully_shard``.
+
+FSDP2 lets a module swap its all-gather and reduce-scatter for objects with the
+signatures of ``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather`` / ``ReduceScatter``
+(torch >= 2.9). The three ZeRO++ techniques map onto it:
+
+    qwZ  QuantizedAllGather        the parameter all-gather, block-quantized
+    hpZ  reshard_after_forward=<n> FSDP2 keeps a secondary shard over n ranks after forward,
+                                   so the backward all-gather runs inside the node
+    qgZ  QuantizedReduceScatter    the gradient reduce-scatter, 2-hop and quantized
+
+``use_qcoll(module)`` sets both comms on every FSDPModule of a tree.
+``count_default_collectives(module)`` keeps FSDP2's own collectives (same numerics) but counts
+their bytes in ``qcoll.stats()`` under qcoll's rule, to compare against.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ._dtypes import DTYPE_CODES
+from .collectives import _check_bits, quantized_allgather, quantized_reduce_scatter
+from .group import Group, new_group
+from .quantization import check_group_size
+
+MIN_TORCH = "2.9"
+
+try:  # FSDP2's comm extension points (torch >= 2.9)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
+
+    _API_ERROR = None if hasattr(FSDPModule, "set_custom_all_gather") else "no set_custom_all_gather"
+except ImportError as e:  # pragma: no cover - exercised only on old torch
+    FSDPModule = AllGather = ReduceScatter = DefaultAllGather = DefaultReduceScatter = object
+    _API_ERROR = str(e)
+
+
+def _require_api() -> None:
+    if _API_ERROR is not None:
+        raise RuntimeError(
+            f"qcoll.fsdp needs PyTorch >= {MIN_TORCH} (FSDP2's set_custom_all_gather / "
+            f"set_custom_reduce_scatter); this is torch {torch.__version__} ({_API_ERROR})")
+
+
+# ---- the qcoll.Group behind a ProcessGroup FSDP2 hands over ------------------------------
+
+_groups: dict = {}
+
+
+def _check_node_size(node_size) -> Optional[int]:
+    if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int)
+                                  or node_size < 1):
+        raise ValueError(f"node_size must be a positive int (ranks per node) or None, got {node_size!r}")
+    return node_size
+
+
+def node_size_within(ranks: list, node_size: int) -> int:
+    """Ranks per node among the global `ranks` of a group, when the world is cut into nodes
+    of `node_size` consecutive ranks: FSDP2 also hands sub-groups (the post-forward group of
+    reshard_after_forward=<int>, an HSDP shard or replicate group)."""
+    nodes = [r // node_size for r in ranks]
+    runs = []  # (node, length) of consecutive members on one node
+    for n in nodes:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    lengths = {length for _, length in runs}
+    if len({n for n, _ in runs}) != len(runs) or len(lengths) != 1:
+        raise ValueError(f"node_size={node_size}: the group of global ranks {ranks} does not hold "
+                         "the same number of consecutive ranks on each node")
+    return lengths.pop()
+
+
+def qcoll_group(pg, node_size: Optional[int] = None) -> Group:
+    """The qcoll.Group for a ProcessGroup FSDP2 passes, created once (collectively, on the
+    first call every member makes). node_size: ranks per node of the whole world (None:
+    LOCAL_WORLD_SIZE for the world, ranks per host for sub-groups; see qcoll.new_group)."""
+    key = (pg, node_size)
+    group = _groups.get(key)
+    if group is None:
+        ns = None if node_size is None else node_size_within(dist.get_process_group_ranks(pg), node_size)
+        group = _groups[key] = new_group(pg, node_size=ns)
+    return group
+
+
+# ---- async handles FSDP2 waits on ----------------------------------------------------------
+
+class _QcollWork(dist.Work):
+    """FSDP2 waits only on torch.distributed Work objects; this one wraps qcoll's."""
+
+    def __init__(self, work):
+        super().__init__()
+        self._work = work
+
+    def wait(self, timeout=None) -> bool:
+        return self._work.wait()
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+def _as_dist_work(work):
+    return None if work is None else _QcollWork(work)
+
+
+# ---- the comms -----------------------------------------------------------------------------
+
+class _Allocating:
+    """Plain allocation: FSDP2 frees these buffers itself; qcoll keeps its own workspace."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class QuantizedAllGather(_Allocating, AllGather):
+    """FSDP2 parameter all-gather through qcoll.quantized_allgather (qwZ).
+
+    bits: 8 or 4 quantizes the parameters on the wire (every rank, this one included,
+    decodes the same bytes: the unsharded parameters are bit-identical across ranks);
+    None: qcoll's unquantized path (the transport's own all-gather). FSDP2 hands uint8 when
+    parameters of several dtypes share a group: those bytes are never quantized.
+    """
+
+    def __init__(self, bits: Optional[int] = 8, group_size: Optional[int] = None,
+                 node_size: Optional[int] = None):
+        _require_api()
+        _check_bits(bits, "bits")
+        self.bits = bits
+        self.group_size = check_group_size(group_size)
+        self.node_size = _check_node_size(node_size)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
+                 async_op: bool = False):
+        bits = self.bits if input_tensor.dtype in DTYPE_CODES else None
+        work = quantized_allgather(output_tensor, input_tensor, qcoll_group(group, self.node_size),
+                                   bits=bits, group_size=self.group_size, async_op=async_op)
+        return _as_dist_work(work)
+
+    def __repr__(self) -> str:
+        return f"QuantizedAllGather(bits={self.bits}, group_size={self.group_size}, node_size={self.node_size})"
+
+
+def _reduce_op(op, group_size: int):
+    """(qcoll op, factor applied to the output) for the ReduceOp FSDP2 passes: AVG, SUM, or
+    PREMUL_SUM(f) (its gradient divide factor), computed as f * SUM in fp32."""
+    kind = getattr(op, "op", op)  # a ReduceOp object (PREMUL_SUM) or a RedOpType
+    if kind == dist.ReduceOp.AVG:
+        return "avg", None
+    if kind == dist.ReduceOp.SUM:
+        return "sum", None
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        factor = float(op.factor)
+        return ("avg", None) if factor * group_size == 1.0 else ("sum", factor)
+    raise ValueError(f"op must be ReduceOp.AVG, SUM or PREMUL_SUM for a gradient reduce-scatter, got {op!r}")
+
+
+class QuantizedReduceScatter(_Allocating, ReduceScatter):
+    """FSDP2 gradient reduce-scatter through qcoll.quantized_reduce_scatter (qgZ).
+
+    A group that spans nodes takes the 2-hop path: intra_bits inside the node, fp32 reduce,
+    inter_bits across nodes, pipelined over pipeline_stages slices. With both bits None the
+    call is qcoll's baseline: the transport's own reduce-scatter.
+    """
+
+    def __init__(self, intra_bits: Optional[int] = 8, inter_bits: Optional[int] = 4,
+                 pipeline_stages: int = 2, group_size: Optional[int] = None,
+                 node_size: Optional[int] = None):
+        _require_api()
+        _check_bits(intra_bits, "intra_bits")
+        _check_bits(inter_bits, "inter_bits")
+        if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, int) or pipeline_stages < 1:
+            raise ValueError(f"pipeline_stages must be a positive int, got {pipeline_stages!r}")
+        self.intra_bits = intra_bits
+        self.inter_bits = inter_bits
+        self.pipeline_stages = pipeline_stages
+        self.group_size = check_group_size(group_size)
+        self.node_size = _check_node_size(node_size)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
+                 async_op: bool = False):
+        g = qcoll_group(group, self.node_size)
+        qop, factor = _reduce_op(op, g.size)
+        baseline = self.intra_bits is None and self.inter_bits is None
+        work = quantized_reduce_scatter(
+            output_tensor, input_tensor, g, op=qop, intra_bits=self.intra_bits,
+            inter_bits=self.inter_bits, group_size=self.group_size,
+            pipeline_stages=self.pipeline_stages, hierarchical=False if baseline else None,
+            async_op=async_op and factor is None)
+        if factor is not None:
+            output_tensor.mul_(factor)
+        return _as_dist_work(work)
+
+    def __repr__(self) -> str:
+        return (f"QuantizedReduceScatter(intra_bits={self.intra_bits}, inter_bits={self.inter_bits}, "
+                f"pipeline_stages={self.pipeline_stages}, group_size={self.group_size}, "
+                f"node_size={self.node_size})")
+
+
+def _fsdp_modules(module: torch.nn.Module) -> list:
+    _require_api()
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    found = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if not found:
+        raise ValueError("module holds no FSDPModule: apply torch.distributed.fsdp.fully_shard first")
+    return found
+
+
+def use_qcoll(module: torch.nn.Module, *, weight_bits: Optional[int] = 8,
+              grad_intra_bits: Optional[int] = 8, grad_inter_bits: Optional[int] = 4,
+              grad_pipeline_stages: int = 2, node_size: Optional[int] = None) -> torch.nn.Module:
+    """Set qcoll's all-gather and reduce-scatter on every FSDPModule in `module`'s tree
+    (FSDP2's setters act on one module only). None bits leave that collective unquantized.
+    hpZ is FSDP2's own reshard_after_forward=<ranks per node>. Returns `module`."""
+    all_gather = QuantizedAllGather(bits=weight_bits, node_size=node_size)
+    reduce_scatter = QuantizedReduceScatter(intra_bits=grad_intra_bits, inter_bits=grad_inter_bits,
+                                            pipeline_stages=grad_pipeline_stages, node_size=node_size)
+    for m in _fsdp_modules(module):
+        m.set_custom_all_gather(all_gather)
+        m.set_custom_reduce_scatter(reduce_scatter)
+    return module
+
+
+# ---- FSDP2's default collectives, counted ----------------------------------------------------
+
+class _Counted:
+    """Wraps FSDP2's default comm: same call, its bytes counted in qcoll.stats()."""
+
+    collective = ""
+
+    def __init__(self, default, node_size: Optional[int] = None):
+        _require_api()
+        self.node_size = _check_node_size(node_size)
+        self._default = default
+
+    def allocate(self, size, *, dtype, device):
+        return self._default.allocate(size, dtype=dtype, device=device)
+
+    def _account(self, group, bytes_per_peer: int) -> None:
+        qcoll_group(group, self.node_size)._torch_comm.account(self.collective, bytes_per_peer)
+
+
+class CountedAllGather(_Counted, AllGather):
+    """FSDP2's default all-gather, unchanged; its bytes go to qcoll.stats()["allgather"]."""
+
+    collective = "allgather"
+
+    def __init__(self, node_size: Optional[int] = None):
+        super().__init__(DefaultAllGather(), node_size)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        self._account(group, input_tensor.numel() * input_tensor.element_size())
+        return self._default(output_tensor=output_tensor, input_tensor=input_tensor, group=group,
+                             async_op=async_op)
+
+
+class CountedReduceScatter(_Counted, ReduceScatter):
+    """FSDP2's default reduce-scatter, unchanged; its bytes go to qcoll.stats()["reduce_scatter"]."""
+
+    collective = "reduce_scatter"
+
+    def __init__(self, node_size: Optional[int] = None):
+        super().__init__(DefaultReduceScatter(), node_size)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        self._account(group, output_tensor.numel() * output_tensor.element_size())
+        return self._default(output_tensor=output_tensor, input_tensor=input_tensor, group=group,
+                             op=op, async_op=async_op)
+
+
+def count_default_collectives(module: torch.nn.Module, *, node_size: Optional[int] = None) -> torch.nn.Module:
+    """Keep FSDP2's own collectives on every FSDPModule of `module` but count their bytes in
+    qcoll.stats() under qcoll's rule (bytes this rank must deliver to each peer, split into
+    peers on its node and on other nodes): the baseline for use_qcoll's figures."""
+    all_gather, reduce_scatter = CountedAllGather(node_size), CountedReduceScatter(node_size)
+    for m in _fsdp_modules(module):
+        m.set_custom_all_gather(all_gather)
+        m.set_custom_reduce_scatter(reduce_scatter)
+    return module
+
+
+__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "use_qcoll", "CountedAllGather",
+           "CountedReduceScatter", "count_default_collectives", "qcoll_group", "MIN_TORCH"]
