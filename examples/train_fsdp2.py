@@ -1,0 +1,280 @@
+"""Train a small GPT (examples/gpt.py) with PyTorch FSDP2 (fully_shard per block) and compare
+FSDP2's default collectives with FSDP2 + qcoll (ZeRO++: int8 weight all-gather, in-node
+backward all-gather, int8/int4 2-hop gradient reduce-scatter).
+
+    python examples/train_fsdp2.py                       # spawns 4 ranks as 2 nodes x 2
+    torchrun --nproc-per-node 4 examples/train_fsdp2.py --node-size 2
+    torchrun --nnodes 2 --nproc-per-node 8 ... examples/train_fsdp2.py   # real nodes: no --node-size
+    python examples/train_fsdp2.py --ranks 6 --node-size 2 --steps 50
+
+Both runs train the same model from the same seed on the same data, one after the other in
+the same processes. "FSDP2 default" is fully_shard as shipped (reshard_after_forward=True),
+its bytes counted under qcoll's rule by qcoll.fsdp.count_default_collectives; "FSDP2 +
+qcoll" is qcoll.fsdp.use_qcoll with reshard_after_forward=<ranks per node> (hpZ). Each
+--log-every steps rank 0 prints the loss, step time and the bytes one rank sent to other
+nodes; a table puts the two side by side at the end.
+
+CPU: gloo ranks, one thread each; GPUs: NCCL, one process per GPU (several processes share
+a single GPU as in train_zero3.py, which proves correctness, not speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gpt  # noqa: E402
+
+import qcoll  # noqa: E402
+import qcoll.fsdp  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PHASES = ("forward_allgather", "backward_allgather", "reduce_scatter")
+
+
+# ---- FSDP2 set-up, shared with the tests and the zero benchmark ---------------------------
+def shard_blocks(model: nn.Module, mesh, *, reshard_after_forward=True, mp_policy=None) -> nn.Module:
+    """fully_shard every block (each child of a ModuleList / Sequential holding parameters),
+    then the root for the rest: the usual FSDP2 wrapping of a transformer."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward,
+                  mp_policy=mp_policy or MixedPrecisionPolicy())
+    blocks = [child for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
+              for child in m.children() if any(True for _ in child.parameters())]
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def configure(model: nn.Module, mode: str, node_size=None, *, weight_bits=8, grad_bits=(8, 4),
+              stages: int = 2) -> nn.Module:
+    """mode "default": FSDP2's own collectives, counted in qcoll.stats(); "qcoll": use_qcoll."""
+    if mode == "default":
+        return qcoll.fsdp.count_default_collectives(model, node_size=node_size)
+    return qcoll.fsdp.use_qcoll(model, weight_bits=weight_bits, grad_intra_bits=grad_bits[0],
+                                grad_inter_bits=grad_bits[1], grad_pipeline_stages=stages,
+                                node_size=node_size)
+
+
+def _inter_bytes() -> tuple:
+    s = qcoll.stats()
+    return s["allgather"]["inter_bytes"], s["reduce_scatter"]["inter_bytes"]
+
+
+def train_step(model, optimizer, x, y, loss_fn, max_grad_norm=None):
+    """One step; returns (local loss, cross-node bytes this rank sent per phase)."""
+    ag0, rs0 = _inter_bytes()
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    ag1, _ = _inter_bytes()
+    loss.backward()
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    ag2, rs2 = _inter_bytes()
+    return loss.detach(), (ag1 - ag0, ag2 - ag1, rs2 - rs0)
+
+
+# ---- one rank ---------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ranks", type=int, default=None,
+                   help="processes to spawn (default: 4 on CPU, the GPU count on GPUs); ignored under torchrun")
+    p.add_argument("--node-size", type=int, default=None,
+                   help="ranks per (emulated) node; default: 2 when spawning, the launcher's "
+                        "LOCAL_WORLD_SIZE under torchrun")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--runs", choices=("both", "default", "qcoll"), default="both")
+    p.add_argument("--weight-bits", type=int, choices=(4, 8), default=8)
+    p.add_argument("--grad-bits", type=int, nargs=2, choices=(4, 8), default=(8, 4), metavar=("INTRA", "INTER"))
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="param (compute) dtype; fp32 reduce")
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--vocab", type=int, default=16)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=5e-3)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.backend == "auto":
+        args.backend = "nccl" if gpus else "gloo"
+    if args.backend == "nccl" and not gpus:
+        p.error("--backend nccl needs a GPU")
+    if args.torchrun:
+        args.ranks = int(os.environ["WORLD_SIZE"])
+    elif args.ranks is None:
+        args.ranks = gpus if args.backend == "nccl" and gpus > 1 else 4
+    if args.node_size is None and not args.torchrun:
+        args.node_size = 2 if args.ranks % 2 == 0 else 1
+    ns = args.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", args.ranks))
+    if args.ranks < 1 or ns < 1 or args.ranks % ns:
+        p.error(f"the node size {ns} must divide the {args.ranks} ranks")
+    args.nodes = args.ranks // ns
+    args.ranks_per_node = ns
+    return args
+
+
+def setup(rank, args, store=None):
+    if args.backend == "nccl":
+        gpus = torch.cuda.device_count()
+        if args.ranks > gpus:  # several ranks per GPU: one NCCL "host" per process
+            os.environ.update(NCCL_HOSTID=f"qhost{rank}", NCCL_NET="Socket", NCCL_SOCKET_IFNAME="lo",
+                              NCCL_MNNVL_ENABLE="0", NCCL_PAT_ENABLE="0")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % gpus)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
+    init = {} if args.torchrun else dict(init_method=f"file://{store}", rank=rank, world_size=args.ranks)
+    dist.init_process_group(args.backend, **init, **({"device_id": device} if device.type == "cuda" else {}))
+    return device
+
+
+def train(rank, args, device, language, cfg, mode, progress=None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    world = args.ranks
+    torch.manual_seed(args.seed)
+    model = gpt.GPT(cfg).to(device)
+    mesh = init_device_mesh(device.type, (world,))
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[args.dtype], reduce_dtype=torch.float32)
+    reshard = True if mode == "default" else args.ranks_per_node  # hpZ: secondary shard in the node
+    shard_blocks(model, mesh, reshard_after_forward=reshard, mp_policy=policy)
+    configure(model, mode, args.node_size, weight_bits=args.weight_bits, grad_bits=args.grad_bits)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    name = "FSDP2 default" if mode == "default" else "FSDP2 + qcoll"
+    task = progress.add_task(name, total=args.steps, info="") if progress else None
+    losses, times, inter = [], [], []
+    for step in range(args.steps):
+        x, y = language.batch(step, args.batch * world, args.seq, seed=args.seed)
+        x, y = x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss, sent = train_step(model, optimizer, x, y, gpt.lm_loss, max_grad_norm=1.0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        row = torch.tensor([*sent, loss.item()], dtype=torch.float64, device=device)
+        dist.all_reduce(row)  # mean over ranks
+        row = (row / world).tolist()
+        losses.append(row[-1])
+        inter.append(row[:-1])
+        if progress:
+            progress.update(task, advance=1, info=f"loss {losses[-1]:.4f}  {1e3 * times[-1]:6.1f} ms  "
+                                                  f"{_fmt_bytes(sum(inter[-1]))}/step across nodes")
+            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+                progress.console.print(f"{name:14s} step {step + 1:4d}  loss {losses[-1]:.4f}  "
+                                       f"step {1e3 * times[-1]:6.1f} ms  cross-node {_fmt_bytes(sum(inter[-1]))}/step")
+    tail = min(10, len(losses))
+    later = inter[1:] or inter
+    return dict(name=name, final_loss=sum(losses[-tail:]) / tail, losses=losses,
+                step_ms=1e3 * statistics.median(times[1:] or times),
+                inter=[statistics.mean(v[i] for v in later) for i in range(len(PHASES))])
+
+
+def worker(rank, args, store=None):
+    device = setup(rank, args, store)
+    rank = dist.get_rank()
+    language = gpt.MarkovLanguage(args.vocab, seed=args.seed)
+    cfg = gpt.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                        d_model=args.d_model, tie_weights=True)
+    console = progress = None
+    if rank == 0:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = Console()
+        n_params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
+        console.print(f"GPT {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, "
+                      f"{n_params / 1e3:.1f}K parameters, fully_shard per block; {args.ranks} ranks as "
+                      f"{args.nodes} node(s) x {args.ranks_per_node} on {device.type} ({args.backend}); "
+                      f"{args.dtype} params, fp32 reduce; batch {args.batch} x {args.seq} tokens per rank")
+        console.print(f"loss: ln(vocab) = {math.log(args.vocab):.3f} at the start, "
+                      f"the language's entropy rate {language.entropy:.3f} at best")
+        progress = Progress(TextColumn("{task.description:14s}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console,
+                            transient=True)
+        progress.start()
+    modes = {"both": ("default", "qcoll"), "default": ("default",), "qcoll": ("qcoll",)}[args.runs]
+    results = []
+    try:
+        for mode in modes:
+            results.append(train(rank, args, device, language, cfg, mode, progress))
+    finally:
+        if progress:
+            progress.stop()
+    if rank == 0:
+        report(console, results, args)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---- report -----------------------------------------------------------------------------
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def report(console, results, args):
+    from rich.table import Table
+
+    table = Table(title=f"{args.steps} steps, {args.ranks} ranks ({args.nodes} nodes x {args.ranks_per_node}), "
+                        f"{args.dtype} params; bytes: mean per rank per step sent to other nodes")
+    table.add_column("")
+    for r in results:
+        table.add_column(r["name"], justify="right")
+    if len(results) == 2:
+        table.add_column("ratio", justify="right")
+
+    def row(label, values, fmt):
+        cells = [fmt(v) for v in values]
+        if len(values) == 2:
+            cells.append(f"{values[1] / values[0]:.3f}" if values[0] else "-")
+        table.add_row(label, *cells)
+
+    row("final loss (mean of last 10)", [r["final_loss"] for r in results], lambda v: f"{v:.4f}")
+    row("cross-node bytes / step", [sum(r["inter"]) for r in results], _fmt_bytes)
+    for i, phase in enumerate(PHASES):
+        row(f"  {phase.replace('_', ' ')}", [r["inter"][i] for r in results], _fmt_bytes)
+    row("step time (median)", [r["step_ms"] for r in results], lambda v: f"{v:.1f} ms")
+    console.print(table)
+    if args.backend == "gloo":
+        console.print("Step times: local processes on shared CPU cores, loopback links; the bytes are what a "
+                      "cluster would carry between nodes.")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.torchrun:
+        worker(int(os.environ["RANK"]), args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.ranks, join=True)
+
+
+if __name__ == "__main__":
+    main()
