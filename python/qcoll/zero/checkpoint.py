@@ -57,8 +57,8 @@ def _check_engine_state(engine, state) -> None:
         a = tuple(theirs[i]) if i < len(theirs) else None
         b = mine[i] if i < len(mine) else None
         if a != b:
-            raise ValueError(f"load_state_dict: the checkpoint is of another model or unit layout: flat "
-                             f"buffer {i} is {_describe(a)} there and {_describe(b)} here")
+            raise ValueError(f"load_state_dict: the checkpoint is of another model or unit layout: "
+                             f"{_layout_difference(i, a, b)}")
     differ = {k: (v, state["config"].get(k)) for k, v in _config_summary(engine.config).items()
               if state["config"].get(k) != v}
     if differ:
@@ -77,6 +77,15 @@ def _check_engine_state(engine, state) -> None:
                          f"{keys_theirs[0]}, here {sorted(opt_mine[0])})")
     if state["scaler"]["enabled"] != engine.scaler.enabled:
         raise ValueError("load_state_dict: loss scaling is on in one of the checkpoint and this engine only")
+
+
+def _layout_difference(i: int, theirs, mine) -> str:
+    """The first parameter that differs (name or shape), else the whole flat buffer."""
+    if theirs is not None and mine is not None and theirs[:2] == mine[:2]:
+        for (n1, s1), (n2, s2) in zip(zip(theirs[2], theirs[3]), zip(mine[2], mine[3])):
+            if (n1, s1) != (n2, s2):
+                return f"unit {mine[0]!r} holds {n1}{list(s1)} there and {n2}{list(s2)} here"
+    return f"flat buffer {i} is {_describe(theirs)} there and {_describe(mine)} here"
 
 
 def _describe(entry) -> str:
