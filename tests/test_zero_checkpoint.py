@@ -186,7 +186,8 @@ def test_fp16_scenario_changed_the_loss_scale():
 
 
 @pytest.mark.parametrize("case,words", [
-    ("config", ["qgz"]), ("model", ["another model", "wte.weight[16, 16] there and wte.weight[16, 32] here"]), ("rank", ["rank"]),
+    ("config", ["qgz"]), ("rank", ["rank"]),
+    ("model", ["another model", "wte.weight[16, 16] there and wte.weight[16, 32] here"]),
     ("not_a_checkpoint", ["not a ZeroEngine"]), ("optimizer", ["optimizer"]),
 ])
 def test_mismatch_raises_naming_it_and_changes_nothing(case, words):

@@ -4,14 +4,11 @@ A unit is a module and the parameters it holds (units.py), in up to two flat buf
 (flat_param.py): trainable ones and frozen ones (a frozen parameter must not share a master
 shard with trainable ones, or weight decay would move it). Each step a unit goes through
 
-    SHARDED --gather--> GATHERING --wait--> GATHERED --its module runs--> IN_USE
-       ^                    ^                  |  ^                          |
-       |                    |                  |  +------ last user done ----+
-       |                    |                  +-- freed after its last forward use -->
-       |                    |                      SECONDARY_KEPT (hpZ) or SHARDED
-       |                    +-- backward gather (from the secondary with hpZ)
-       |  GATHERED --its backward starts--> GRADS_PENDING --all gradients in-->
-       +------------------- end of backward ------------------- REDUCED
+    forward:   SHARDED -> GATHERING -> GATHERED <-> IN_USE (its module's forward runs)
+               GATHERED -> SECONDARY_KEPT (hpZ) or SHARDED, after its last forward use
+    backward:  SECONDARY_KEPT or SHARDED -> GATHERING -> GATHERED -> GRADS_PENDING
+               GRADS_PENDING -> REDUCED when autograd has accumulated all its gradients
+    end:       every unit -> SHARDED
 
 Only the methods here change `state`, and each checks that the transition is legal, so an
 engine bug is an error naming the unit and both states, not silently wrong weights.

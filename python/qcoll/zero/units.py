@@ -48,7 +48,7 @@ def select_unit_modules(root: nn.Module, rule) -> List[nn.Module]:
     return chosen
 
 
-def assign_parameters(root: nn.Module, unit_modules: List[nn.Module]) -> Dict[int, List[Tuple[str, nn.Parameter]]]:
+def assign_parameters(root: nn.Module, unit_modules: List[nn.Module]) -> Tuple[Dict[int, list], Dict[str, str]]:
     """unit index -> [(canonical name, parameter)], and every parameter name -> canonical
     name. The canonical name is the first name state_dict() gives the parameter."""
     index = {id(m): i for i, m in enumerate(unit_modules)}
