@@ -1,9 +1,10 @@
 """A small GPT-style language model and a learnable synthetic language, for the ZeRO-3
 example (examples/train_zero3.py) and the engine's tests (tests/test_zero_*.py).
 
-Plain PyTorch, one nn.Module per weight matrix (so each is its own ZeRO-3 unit), causal
-self-attention through F.scaled_dot_product_attention, pre-LayerNorm blocks and an output
-head that can share the token embedding's weight.
+Plain PyTorch: pre-LayerNorm blocks in an nn.ModuleList (each block one ZeRO-3 unit under
+ZeroConfig's default unit rule; the root holds the embeddings, final norm and head), causal
+self-attention through F.scaled_dot_product_attention, and an output head that can share
+the token embedding's weight.
 
 The data is a fixed random second-order Markov chain over the vocabulary: each pair of
 previous tokens picks the next one from a few likely successors. A model that reads the

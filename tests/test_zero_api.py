@@ -123,11 +123,11 @@ def _worker(rank, world):
     x, y = _batch(0)
     xs, ys = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
     engine.backward(lm_loss(engine(xs), ys))
-    once = [u.master.grad.clone() for u in engine.units]
+    once = [u.master.grad.clone() for u in engine.flat_params]
     engine.backward(lm_loss(engine(xs), ys))
-    twice = [u.master.grad.clone() for u in engine.units]
+    twice = [u.master.grad.clone() for u in engine.flat_params]
     engine.zero_grad()
-    cleared = all(u.master.grad is None for u in engine.units)
+    cleared = all(u.master.grad is None for u in engine.flat_params)
     before = engine.full_state_dict()
     engine.step()  # nothing to apply
     after = engine.full_state_dict()

@@ -18,6 +18,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn as nn
 
 from distributed import run_ranks
 from zero_helpers import (ALL_OFF_FP32, OddNet, OptimizerFactory, full_state, make_optimizer,
@@ -35,11 +36,27 @@ SCENARIOS = {
     "adamw_no_prefetch": ({"prefetch": False}, "adamw", 1, None),
     "sgd_accumulate": ({}, "sgd", 2, None),
     "adamw_clip": ({}, "adamw", 1, 0.5),
+    # Several units (the default makes OddNet, which has no ModuleList, one root unit): the
+    # norm and the two square Linears (mix: a trainable weight and a frozen bias; fixed:
+    # frozen) are units, the root holds the rest (the reused l1 / l2, the tied embedding).
+    "adamw_units": ({"unit_modules": "square_linear_or_norm"}, "adamw", 1, None),
+    "adamw_units_no_prefetch": ({"unit_modules": "square_linear_or_norm", "prefetch": False}, "adamw", 1, None),
 }
 # Six ranks on two cores are slow: there, the scenarios the other worlds do not already
 # cover in a 3-node layout.
 WORLD_SCENARIOS = {1: tuple(SCENARIOS), 2: tuple(SCENARIOS), 4: tuple(SCENARIOS),
                    6: ("sgd_accumulate", "adamw_hpz", "adamw_clip")}
+
+
+def square_linear_or_norm(module) -> bool:
+    return isinstance(module, nn.LayerNorm) or (isinstance(module, nn.Linear)
+                                                 and module.in_features == module.out_features)
+
+
+def _config_overrides(overrides: dict) -> dict:
+    if overrides.get("unit_modules") == "square_linear_or_norm":
+        return dict(overrides, unit_modules=square_linear_or_norm)
+    return overrides
 
 
 def _batch_fn(world):
@@ -56,12 +73,12 @@ def _worker(rank, world, node_size):
         overrides, opt, micro, max_norm = SCENARIOS[name]
         torch.manual_seed(0)
         model = OddNet()
-        config = ZeroConfig(**{**ALL_OFF_FP32, **overrides, "max_grad_norm": max_norm})
+        config = ZeroConfig(**{**ALL_OFF_FP32, **_config_overrides(overrides), "max_grad_norm": max_norm})
         engine = ZeroEngine(model, OptimizerFactory(opt), group, config=config)
         first = {}
         losses = train_engine(engine, _batch_fn(world), STEPS, rank, world, micro=micro,
                               on_backward=lambda s: first or first.update(engine.stats()))
-        out[name] = (losses, engine.full_state_dict(), first, engine.stats())
+        out[name] = (losses, engine.full_state_dict(), first, engine.stats(), len(engine.units))
     return out
 
 
@@ -135,9 +152,11 @@ def test_prefetch_changes_nothing():
     """Prefetch only moves gathers earlier: bit-identical losses and weights."""
     for world in (2, 4):
         for result in _engine_runs(world):
-            assert result["adamw"][0] == result["adamw_no_prefetch"][0]
-            for key, value in result["adamw"][1].items():
-                assert torch.equal(value, result["adamw_no_prefetch"][1][key]), key
+            for on, off in (("adamw", "adamw_no_prefetch"), ("adamw_units", "adamw_units_no_prefetch")):
+                assert result[on][0] == result[off][0]
+                for key, value in result[on][1].items():
+                    assert torch.equal(value, result[off][1][key]), key
+            assert result["adamw_units"][4] == 4 and result["adamw"][4] == 1  # root, mix, fixed, norm
 
 
 @pytest.mark.parametrize("world", (2, 4, 6))
@@ -147,7 +166,7 @@ def test_every_step_sends_the_same(world):
     backward does not need."""
     for result in _engine_runs(world):
         for name in WORLD_SCENARIOS[world]:
-            _, _, first, total = result[name]
+            _, _, first, total, _ = result[name]
             for kind in ("forward_allgather", "backward_allgather", "reduce_scatter"):
                 for field, value in total[kind].items():
                     assert value == STEPS * first[kind][field], (name, kind, field, first, total)

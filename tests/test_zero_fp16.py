@@ -59,7 +59,7 @@ class _Recorder:
         return ok
 
     def after_backward(self, step):
-        grads = [u.master.grad for u in self.engine.units if u.master.grad is not None]
+        grads = [u.master.grad for u in self.engine.flat_params if u.master.grad is not None]
         self.local_overflow.append(not all(bool(torch.isfinite(g).all()) for g in grads))
 
 

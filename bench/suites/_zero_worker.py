@@ -7,8 +7,10 @@ wraps it in qcoll.zero.ZeroEngine (bf16 compute, AdamW) on a qcoll group of node
 per node, and trains `steps` steps on the same synthetic Markov data. Per step: the slowest
 rank's time of forward + backward + step (after `warmup` steps), the bytes the engine sent
 to other nodes and within the node (engine.stats() deltas, mean per rank), and the loss.
-Rank 0 prints `PROGRESS done total` lines and writes the rows as JSON to the config's "out"
-path."""
+Per step and rank, engine.timings() splits the step's host time into waiting on
+all-gathers (issue + wait), reduce-scatters, the optimizer step, and compute (the rest); the
+row keeps the median over timed steps of the mean over ranks. Rank 0 prints `PROGRESS done
+total` lines and writes the rows as JSON to the config's "out" path."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import qcoll  # noqa: E402
 from qcoll.zero import ZeroConfig, ZeroEngine  # noqa: E402
 
 CATEGORIES = ("forward_allgather", "backward_allgather", "reduce_scatter")
+PHASES = ("compute", "gather", "reduce_scatter", "optimizer")
 
 
 def _tx_bytes(iface) -> int:
@@ -48,11 +51,11 @@ def train(cfg: dict, rank: int, group, language, model_cfg, name: str, technique
     config = ZeroConfig(**techniques, compute_dtype=torch.bfloat16, max_grad_norm=1.0)
     engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=cfg["lr"], weight_decay=0.01), group,
                         config=config)
-    times, inter, intra, wire, losses = [], [], [], [], []
+    times, inter, intra, wire, losses, phases = [], [], [], [], [], []
     for step in range(cfg["steps"]):
         x, y = language.batch(step, cfg["batch"] * world, cfg["seq"], seed=cfg["seed"])
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-        before = engine.stats()
+        before, t_before = engine.stats(), engine.timings()
         dist.barrier()
         tx0 = _tx_bytes(iface)
         t0 = time.perf_counter()
@@ -63,7 +66,12 @@ def train(cfg: dict, rank: int, group, language, model_cfg, name: str, technique
         dt = time.perf_counter() - t0
         dist.barrier()  # every rank done sending: the step's bytes left the veth
         tx = _tx_bytes(iface) - tx0
-        after = engine.stats()
+        after, t_after = engine.stats(), engine.timings()
+        spent = {k: t_after[k] - t_before[k] for k in ("gather", "reduce_scatter", "optimizer")}
+        spent["compute"] = dt - sum(spent.values())
+        p = torch.tensor([spent[k] for k in PHASES], dtype=torch.float64)
+        dist.all_reduce(p)
+        phases.append((p / world).tolist())
         d_inter = sum(after[c]["inter_bytes"] - before[c]["inter_bytes"] for c in CATEGORIES)
         d_intra = sum(after[c]["intra_bytes"] - before[c]["intra_bytes"] for c in CATEGORIES)
         t = torch.tensor([dt, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
@@ -80,6 +88,7 @@ def train(cfg: dict, rank: int, group, language, model_cfg, name: str, technique
     tail = min(5, len(losses))
     row = {"config": name, **techniques, "steps": cfg["steps"], "warmup": w,
            "step_time_s": statistics.median(timed), "step_times_s": timed,
+           "phase_s": {k: statistics.median(ph[i] for ph in (phases[w:] or phases)) for i, k in enumerate(PHASES)},
            "inter_bytes_per_rank": statistics.mean(inter[1:] or inter),
            "intra_bytes_per_rank": statistics.mean(intra[1:] or intra),
            "loss_first": losses[0], "loss_final": losses[-1],

@@ -1,4 +1,4 @@
-"""`zero` suite: one ZeRO-3 training step of examples/gpt.py's small GPT with
+"""`zero` suite: one ZeRO-3 training step of examples/gpt.py's GPT with
 qcoll.zero.ZeroEngine, per ZeRO++ configuration.
 
 4 gloo ranks as 2 nodes x 2 (qcoll.new_group(node_size=2)), bf16 compute, fp32 master
@@ -6,8 +6,11 @@ weights, AdamW. Configurations: all off ("ZeRO-3"), qwZ alone, hpZ alone, qgZ al
 ("ZeRO++"); each trains the same model from the same seed on the same synthetic Markov data
 for N steps, in the same processes one after the other. Per configuration: the median over
 the steps after warm-up of the slowest rank's step time (forward + backward + optimizer
-step), the bytes the engine sent to other nodes and inside the node per step and rank
-(engine.stats() deltas, qcoll's accounting), and the loss after N steps.
+step), its breakdown (compute, waiting on all-gathers, reduce-scatters, optimizer; from
+engine.timings(), mean over ranks), the bytes the engine sent to other nodes and inside the
+node per step and rank (engine.stats() deltas, qcoll's accounting), and the loss after N
+steps. The full run is the ZeRO++ paper's communication-bound regime: a 9.7M-parameter GPT
+and a micro-batch of one 32-token sequence per rank.
 
 --link GBIT: the same inside the cluster suite's emulated cluster (_netns.py: one network
 namespace per node, tc tbf throttling each node's link to GBIT Gbit/s both ways), ZeRO-3 vs
@@ -30,6 +33,7 @@ CONFIGS = [
     ("qgZ", dict(qwz=False, hpz=False, qgz=True)),
     ("ZeRO++", dict(qwz=True, hpz=True, qgz=True)),
 ]
+PHASES = ("compute", "gather", "reduce_scatter", "optimizer")
 TARGET = 2.0  # a ZeRO-3 step with all three on >= 2x faster than with all off ...
 TARGET_GBIT = 1  # ... at 1 Gbit/s between nodes
 
@@ -40,10 +44,11 @@ def config(quick: bool, link: bool = False, tiny: bool = False) -> dict:
     elif quick:
         model, steps, warmup, batch, seq = dict(d_model=128, layers=2, heads=4, vocab=128), 10, 2, 4, 32
     else:
-        model, steps, warmup, batch, seq = dict(d_model=256, layers=2, heads=4, vocab=256), 30, 3, 4, 32
+        model, steps, warmup, batch, seq = dict(d_model=512, layers=3, heads=8, vocab=512), 20, 3, 1, 32
+    lr = 1e-3 if not (quick or tiny) else 3e-3  # the 9.7M model rises for its first steps at 3e-3
     configs = [c for c in CONFIGS if c[0] in ("ZeRO-3", "ZeRO++")] if (link and quick) or tiny else CONFIGS
     return {"world": NODES * NODE_SIZE, "node_size": NODE_SIZE, "model": model, "steps": steps,
-            "warmup": warmup, "batch": batch, "seq": seq, "lr": 3e-3, "seed": 0, "configs": configs}
+            "warmup": warmup, "batch": batch, "seq": seq, "lr": lr, "seed": 0, "configs": configs}
 
 
 def run(quick: bool, progress, link=None, tiny=False) -> dict:
@@ -111,11 +116,14 @@ def table(result: dict) -> list:
         lines.append(f"link probed {p['gbit_s']:.2f} Gbit/s one stream, RTT {p['rtt_us']:.0f} us")
     wire = any("wire_bytes_per_node" in r for r in result["rows"])
     lines.append(f"{'config':8} {'step ms':>9} {'speedup':>8} {'x-node/rank':>12} {'in-node/rank':>13}"
-                 + (f" {'wire/node':>10}" if wire else "") + f" {'loss@N':>8}")
+                 + (f" {'wire/node':>10}" if wire else "") + f" {'loss@N':>8}"
+                 + "   ms: compute / gather / reduce-scatter / optimizer")
     for r in result["rows"]:
+        ph = r.get("phase_s", {})
         lines.append(f"{r['config']:8} {r['step_time_s'] * 1e3:9.1f} {r['speedup_vs_zero3']:7.2f}x "
                      f"{_mb(r['inter_bytes_per_rank']):>12} {_mb(r['intra_bytes_per_rank']):>13}"
-                     + (f" {_mb(r['wire_bytes_per_node']):>10}" if wire else "") + f" {r['loss_final']:8.4f}")
+                     + (f" {_mb(r['wire_bytes_per_node']):>10}" if wire else "") + f" {r['loss_final']:8.4f}"
+                     + ("   " + " / ".join(f"{1e3 * ph[k]:.0f}" for k in PHASES) if ph else ""))
     lines.append(f"loss starts at ~ln(vocab); the language's entropy rate is {result['entropy_rate']:.3f}")
     for key, t in result["targets"].items():
         verdict = "met" if t["met"] else f"MISSED by {t['short_by']:.2f}x ({t['short_by_frac']:.0%})"

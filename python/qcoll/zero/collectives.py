@@ -1,18 +1,32 @@
-"""The engine's three collectives, all through qcoll so every byte is counted alike:
-forward all-gather (qwZ or baseline), backward all-gather (hpZ's in-node gather, or the
-forward one again) and the gradient reduce-scatter (qgZ or baseline)."""
+"""The engine's three collectives, all through qcoll: forward all-gather (qwZ or baseline),
+backward all-gather (hpZ's in-node gather from the secondary shard, or the forward one
+again) and the gradient reduce-scatter (qgZ or baseline).
+
+Bytes are counted per call from the plan the call uses (qcoll.stats' rule, computed once per
+buffer), so the counts stay right when calls run asynchronously and interleave. Host time
+spent issuing and waiting on each kind of call is kept too (the zero suite's breakdown).
+"""
 
 from __future__ import annotations
+
+import time
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from .. import collectives as qc
 from ..group import Group
-from ..stats import stats as qcoll_stats
+from ..stats import allgather_traffic, reduce_scatter_traffic
 from .config import ZeroConfig
-from .flat_unit import FlatUnit
+from .flat_param import FlatParam
 
 CATEGORIES = ("forward_allgather", "backward_allgather", "reduce_scatter")
+_FIELDS = ("calls", "intra_bytes", "inter_bytes")
+MAX_REDUCES_IN_FLIGHT = 2
+
+
+def _completed(work) -> bool:
+    return work is None or work.is_completed()
 
 
 class EngineCollectives:
@@ -20,58 +34,91 @@ class EngineCollectives:
         self.config = config
         self.group = group
         self.hpz_group = hpz_group
-        self.counters = {c: {"calls": 0, "intra_bytes": 0, "inter_bytes": 0} for c in CATEGORIES}
+        self.counters = {c: dict.fromkeys(_FIELDS, 0) for c in CATEGORIES}
+        self.seconds = {"gather": 0.0, "reduce_scatter": 0.0}
+        self._traffic: Dict[Tuple[int, str], dict] = {}
+        self._pending_reduce: List[tuple] = []  # (flat, shard, work) of reduce-scatters in flight
 
-    def _counted(self, category: str, kind: str, call):
-        """Run a qcoll call and add what it handed to the transport to `category`."""
-        before = qcoll_stats()[kind]
-        result = call()
-        after = qcoll_stats()[kind]
-        for key in ("calls", "intra_bytes", "inter_bytes"):
-            self.counters[category][key] += after[key] - before[key]
-        return result
+    # ---- accounting ----------------------------------------------------------------------
+    def _count(self, category: str, flat: FlatParam, traffic_fn) -> None:
+        key = (flat.index, category)
+        if key not in self._traffic:
+            self._traffic[key] = traffic_fn()
+        for field, value in self._traffic[key].items():
+            self.counters[category][field] += value
 
-    def gather_forward(self, unit: FlatUnit, async_op: bool):
-        unit.allocate()
-        bits = self.config.weight_bits if self.config.qwz else None
-        return self._counted("forward_allgather", "allgather", lambda: qc.quantized_allgather(
-            unit.full, unit.compute_shard, self.group, bits=bits, group_size=self.config.group_size,
-            async_op=async_op))
+    def timed(self, kind: str, fn):
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.seconds[kind] += time.perf_counter() - start
 
-    def keep_secondary(self, unit: FlatUnit) -> None:
+    # ---- all-gathers -------------------------------------------------------------------
+    def _forward_bits(self) -> Optional[int]:
+        return self.config.weight_bits if self.config.qwz else None
+
+    def gather_forward(self, flat: FlatParam):
+        bits, gs = self._forward_bits(), self.config.group_size
+        self._count("forward_allgather", flat, lambda: allgather_traffic(
+            flat.shard_numel, flat.compute_dtype, self.group, bits=bits, group_size=gs))
+        return self.timed("gather", lambda: qc.quantized_allgather(
+            flat.full, flat.compute_shard, self.group, bits=bits, group_size=gs, async_op=True))
+
+    def keep_secondary(self, flat: FlatParam) -> None:
         """hpZ: keep this rank's part of the gathered weights for the backward gather."""
-        n = self.hpz_group.size
-        part = unit.padded_numel // n
+        part = flat.padded_numel // self.hpz_group.size
         r = self.hpz_group.rank
-        unit.secondary = unit.full[r * part:(r + 1) * part].clone()
+        flat.secondary = flat.full[r * part:(r + 1) * part].clone()
 
-    def gather_backward(self, unit: FlatUnit, async_op: bool):
+    def gather_backward(self, flat: FlatParam):
         if not self.config.hpz:
-            category_call = lambda: qc.quantized_allgather(  # noqa: E731 - the forward gather again
-                unit.full, unit.compute_shard, self.group,
-                bits=self.config.weight_bits if self.config.qwz else None,
-                group_size=self.config.group_size, async_op=async_op)
-        else:
-            # The secondary shard holds exactly the weights forward used; no re-quantization.
-            category_call = lambda: qc.quantized_allgather(  # noqa: E731
-                unit.full, unit.secondary, self.hpz_group, bits=None, async_op=async_op)
-        unit.allocate()
-        return self._counted("backward_allgather", "allgather", category_call)
+            bits, gs = self._forward_bits(), self.config.group_size  # the forward gather again
+            self._count("backward_allgather", flat, lambda: allgather_traffic(
+                flat.shard_numel, flat.compute_dtype, self.group, bits=bits, group_size=gs))
+            return self.timed("gather", lambda: qc.quantized_allgather(
+                flat.full, flat.compute_shard, self.group, bits=bits, group_size=gs, async_op=True))
+        if flat.secondary is None:
+            raise RuntimeError(f"qcoll.zero: hpZ backward gather of {flat.names[:3]} without a secondary "
+                               "shard (its forward ran without gradients enabled)")
+        # The secondary shard holds exactly the weights forward used; no re-quantization.
+        self._count("backward_allgather", flat, lambda: allgather_traffic(
+            flat.secondary.numel(), flat.compute_dtype, self.hpz_group, bits=None))
+        return self.timed("gather", lambda: qc.quantized_allgather(
+            flat.full, flat.secondary, self.hpz_group, bits=None, async_op=True))
 
-    def reduce_grads(self, unit: FlatUnit) -> None:
-        grad = unit.flat_grad()
-        shard = torch.empty(unit.shard_numel, dtype=grad.dtype, device=grad.device)
+    # ---- gradients -----------------------------------------------------------------------
+    def reduce_grads(self, flat: FlatParam) -> None:
+        """Start the reduce-scatter of this rank's gradient; finish_reduces() adds the result
+        to the fp32 gradient shard."""
+        grad = flat.flat_grad()
+        shard = torch.empty(flat.shard_numel, dtype=grad.dtype, device=grad.device)
         cfg = self.config
         if cfg.qgz:
-            call = lambda: qc.quantized_reduce_scatter(  # noqa: E731
-                shard, grad, self.group, op="avg", intra_bits=cfg.grad_intra_bits,
-                inter_bits=cfg.grad_inter_bits, group_size=cfg.group_size,
-                pipeline_stages=cfg.grad_pipeline_stages)
+            kwargs = dict(intra_bits=cfg.grad_intra_bits, inter_bits=cfg.grad_inter_bits,
+                          group_size=cfg.group_size, pipeline_stages=cfg.grad_pipeline_stages)
         else:
-            call = lambda: qc.quantized_reduce_scatter(  # noqa: E731
-                shard, grad, self.group, op="avg", intra_bits=None, inter_bits=None, hierarchical=False)
-        self._counted("reduce_scatter", "reduce_scatter", call)
-        unit.accumulate_grad_shard(shard)
+            kwargs = dict(intra_bits=None, inter_bits=None, hierarchical=False)
+        self._count("reduce_scatter", flat, lambda: reduce_scatter_traffic(
+            flat.shard_numel, grad.dtype, self.group, **kwargs))
+        work = self.timed("reduce_scatter", lambda: qc.quantized_reduce_scatter(
+            shard, grad, self.group, op="avg", async_op=True, **kwargs))
+        self._pending_reduce.append((flat, shard, grad, work))
+        # Accumulate what has completed; keep at most MAX_REDUCES_IN_FLIGHT gradient buffers.
+        while self._pending_reduce and (len(self._pending_reduce) > MAX_REDUCES_IN_FLIGHT
+                                        or _completed(self._pending_reduce[0][3])):
+            self._finish_one()
+
+    def _finish_one(self) -> None:
+        flat, shard, _grad, work = self._pending_reduce.pop(0)  # _grad stays alive until done
+        if work is not None:
+            self.timed("reduce_scatter", work.wait)
+        flat.accumulate_grad_shard(shard)
+
+    def finish_reduces(self) -> None:
+        """Wait for every reduce-scatter in flight, in issue order, and accumulate."""
+        while self._pending_reduce:
+            self._finish_one()
 
     def stats(self) -> dict:
         return {c: dict(v) for c, v in self.counters.items()}

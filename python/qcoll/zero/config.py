@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional, Tuple, Union
 
 import torch
+import torch.nn as nn
 
 from ..quantization import check_group_size
 
@@ -28,7 +29,13 @@ class ZeroConfig:
     loss_scale: fp16 only. None: dynamic (start ``initial_loss_scale``, halve on overflow,
         double after ``loss_scale_window`` good steps); a float: static.
     max_grad_norm: clip the global gradient norm (None: no clipping).
-    prefetch: issue the next submodule's all-gather while the current one computes.
+    prefetch: issue the next unit's all-gather while the current one computes.
+    unit_modules: which modules are ZeRO-3 units (a unit is a module plus every parameter in
+        its subtree not claimed by a smaller unit; the root holds the rest). None: each child
+        of an nn.ModuleList / nn.Sequential that holds parameters (a transformer's blocks);
+        a tuple of module classes; or a callable(module) -> bool. A unit is gathered before
+        its module's forward and backward and freed after, so a unit module must be one
+        whose parameters are read only inside its own forward (true of any block).
     """
 
     qwz: bool = True
@@ -46,6 +53,7 @@ class ZeroConfig:
     loss_scale: Optional[float] = None
     initial_loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
+    unit_modules: Union[None, Tuple[type, ...], Callable[[nn.Module], bool]] = None
 
     def __post_init__(self):
         for name in ("qwz", "hpz", "qgz", "prefetch"):
@@ -75,3 +83,11 @@ class ZeroConfig:
             raise ValueError(f"loss_scale_window must be a positive int, got {self.loss_scale_window!r}")
         if self.group_size is not None:
             check_group_size(self.group_size, "group_size")
+        rule = self.unit_modules
+        if isinstance(rule, tuple):
+            if not rule or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in rule):
+                raise ValueError(f"unit_modules must be None, a non-empty tuple of nn.Module classes or a "
+                                 f"callable(module) -> bool, got {rule!r}")
+        elif rule is not None and (not callable(rule) or isinstance(rule, type)):
+            raise ValueError(f"unit_modules must be None, a non-empty tuple of nn.Module classes or a "
+                             f"callable(module) -> bool, got {rule!r}")

@@ -1,13 +1,15 @@
 """ZeroEngine: ZeRO-3 for any nn.Module on qcoll's collectives (qwZ, hpZ, qgZ).
 
-Each module that owns parameters directly is a unit (flat_unit.py). A unit is gathered
-right before a module that uses it runs forward (and again before its backward), freed
-after, and its gradient is reduce-scattered into the fp32 gradient shards as soon as
-autograd has accumulated all of it. The optimizer only ever sees the fp32 master shards.
+Units are subtrees (units.py): a unit is gathered right before its module's forward (and
+again before its backward), freed after its last use, and its gradient is reduce-scattered
+into the fp32 gradient shards as soon as autograd has accumulated all of it. Each unit's
+lifecycle lives in unit.py; this file drives it from module hooks. The optimizer only ever
+sees the fp32 master shards. Checkpoints: checkpoint.py.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -16,10 +18,13 @@ import torch.nn as nn
 
 from ..collectives import quantized_allgather
 from ..group import Group, _partition_groups, _subgroup, new_group, resolve_group
+from . import checkpoint
 from .collectives import EngineCollectives
 from .config import ZeroConfig
-from .flat_unit import FlatUnit
+from .flat_param import FlatParam
 from .loss_scaler import LossScaler
+from .unit import BACKWARD, FORWARD, Unit, UnitState
+from .units import assign_parameters, select_unit_modules
 
 
 def _hpz_group(group: Group, size: Optional[int]) -> Group:
@@ -56,128 +61,119 @@ class ZeroEngine:
         self.group = resolve_group(group)
         self.comm = EngineCollectives(config, self.group, _hpz_group(self.group, config.hpz_group_size)
                                       if config.hpz else self.group)
-        self.units: List[FlatUnit] = []
-        self._aliases: Dict[str, tuple] = {}  # parameter name -> (unit, name in the unit)
+        self.units: List[Unit] = []
+        self.flat_params: List[FlatParam] = []
+        self._aliases: Dict[str, tuple] = {}  # parameter name -> (flat param, its name there)
         self._build_units()
-        self.optimizer = optimizer_factory([u.master for u in self.units])
+        self.optimizer = optimizer_factory([f.master for f in self.flat_params])
         self.scaler = LossScaler(config.compute_dtype == torch.float16, config.loss_scale,
                                  config.initial_loss_scale, config.loss_scale_window)
-        self._forward_order: List[int] = []  # units in order of first use
-        self._backward_order: List[int] = []  # _forward_order reversed (backward prefetch)
-        self._backward_position: Dict[int, int] = {}  # unit -> index in _backward_order
-        self._forward_calls: List[List[int]] = []  # units of each module call (forward prefetch)
-        self._forward_call = 0  # this forward's position in _forward_calls
+        self.steps = 0  # optimizer steps applied (skipped fp16 overflow steps not counted)
+        self.optimizer_seconds = 0.0
+        # The order, recorded by the forward and backward of the first step (prefetch, and
+        # freeing a unit reused in one forward only after its last use).
         self._order_known = False
-        self._in_backward = False
+        self._forward_calls: List[int] = []  # the unit of each module call, in forward order
+        self._forward_uses: Dict[int, int] = {}  # unit -> calls of its module per forward
+        self._backward_order: List[int] = []  # units in the order their backward started
+        self._backward_next: Dict[int, int] = {}  # unit -> the unit whose backward comes next
+        self._call = 0  # this forward's position in _forward_calls
         self._register_hooks()
 
     # ---- setup -------------------------------------------------------------------------
     def _build_units(self) -> None:
-        owner = {}  # id(param) -> unit index
-        self._module_units: Dict[nn.Module, List[int]] = {}
-        for mod_name, module in self.module.named_modules():
-            params, names = [], []
-            for p_name, p in module.named_parameters(recurse=False):
-                full_name = f"{mod_name}.{p_name}" if mod_name else p_name
-                if id(p) in owner:  # tied: owned by an earlier module
-                    unit = self.units[owner[id(p)]]
-                    self._aliases[full_name] = (unit, unit.names[unit.params.index(p)])
-                    continue
-                params.append(p)
-                names.append(full_name)
-            # Trainable and frozen parameters go to separate units: a frozen parameter must
-            # not share a master shard with trainable ones, or weight decay (and momentum
-            # from its zero gradient) would move it.
+        modules = select_unit_modules(self.module, self.config.unit_modules)
+        names = {id(m): n for n, m in self.module.named_modules(remove_duplicate=False)}
+        owned, aliases = assign_parameters(self.module, modules)
+        canonical = {}
+        for i, module in enumerate(modules):
+            flats = []
+            # Trainable and frozen parameters in separate buffers: a frozen parameter must
+            # not share a master shard with trainable ones (weight decay would move it).
             for trainable in (True, False):
-                chosen = [(p, n) for p, n in zip(params, names) if p.requires_grad == trainable]
-                if not chosen:
-                    continue
-                unit = FlatUnit(len(self.units), module, [p for p, _ in chosen], [n for _, n in chosen],
-                                self.group.size, self.group.rank, self.config.compute_dtype)
-                unit.master.requires_grad_(trainable)
-                for p, name in chosen:
-                    owner[id(p)] = unit.index
-                    self._aliases[name] = (unit, name)
-                self.units.append(unit)
-        for module in self.module.modules():
-            needed = sorted({owner[id(p)] for p in module.parameters(recurse=False)})
-            if needed:
-                self._module_units[module] = needed
+                chosen = [(n, p) for n, p in owned[i] if p.requires_grad == trainable]
+                if chosen:
+                    flat = FlatParam(len(self.flat_params), [p for _, p in chosen], [n for n, _ in chosen],
+                                     self.group.size, self.group.rank, self.config.compute_dtype)
+                    self.flat_params.append(flat)
+                    flats.append(flat)
+                    canonical.update({n: flat for n, _ in chosen})
+            if flats:
+                self.units.append(Unit(len(self.units), names[id(module)], module, flats))
+        self._aliases = {name: (canonical[canon], canon) for name, canon in aliases.items()}
 
     def _register_hooks(self) -> None:
-        for module, unit_ids in self._module_units.items():
-            module.register_forward_pre_hook(self._make_pre_forward(unit_ids))
-            module.register_forward_hook(self._make_post_forward(unit_ids))
+        self.module.register_forward_pre_hook(self._forward_begin, prepend=True)
         for unit in self.units:
-            for p in unit.params:
-                if p.requires_grad:
+            unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
+            unit.module.register_forward_hook(self._make_post_forward(unit))
+            for flat in unit.trainable:
+                for p in flat.params:
                     p.register_post_accumulate_grad_hook(self._make_grad_ready(unit))
+        self.module.register_forward_hook(self._forward_end)
 
     # ---- gathering -----------------------------------------------------------------------
-    def _wait(self, unit: FlatUnit) -> None:
-        if unit.pending is not None:
-            unit.pending.wait()
-            unit.pending = None
-            if not self._in_backward and self.config.hpz:
-                self.comm.keep_secondary(unit)
-
-    def _gather(self, unit: FlatUnit, backward: bool, async_op: bool = False) -> None:
+    def _gather(self, unit: Unit, phase: str) -> None:
         if unit.gathered:
             return
-        unit.gathered = True
-        if backward:
-            unit.pending = self.comm.gather_backward(unit, async_op=True)
-        else:
-            unit.pending = self.comm.gather_forward(unit, async_op=True)
-        if not async_op:
+        unit.gather(phase, self.comm.gather_forward if phase == FORWARD else self.comm.gather_backward)
+
+    def _wait(self, unit: Unit) -> Optional[str]:
+        return unit.wait(lambda fn: self.comm.timed("gather", fn))
+
+    def _use_for_forward(self, unit: Unit) -> None:
+        self._gather(unit, FORWARD)
+        if self._wait(unit) == FORWARD and self.config.hpz and torch.is_grad_enabled():
+            # hpZ: keep this rank's part of exactly the weights forward uses, for backward.
+            for flat in unit.flats:
+                self.comm.keep_secondary(flat)
+
+    # ---- forward -------------------------------------------------------------------------
+    def _forward_begin(self, module, args):
+        self._call = 0
+        for unit in self.units:
+            unit.new_forward()
+        if not self._order_known:  # record the last forward before the first backward
+            self._forward_calls, self._forward_uses = [], {}
+
+    def _forward_end(self, module, args, output):
+        # What forward gathered and did not free (prefetched for a call that did not come,
+        # or used fewer times than recorded): free it now.
+        for unit in self.units:
             self._wait(unit)
+            if unit.state is UnitState.GATHERED:
+                unit.release()
 
-    def _prefetch_after(self, unit_ids: List[int], backward: bool) -> None:
-        if not (self.config.prefetch and self._order_known):
-            return
-        if not backward:
-            # The next module call of the recorded forward, not the unit after this one's
-            # first use: a unit used again late (a tied head, a reused module) would
-            # otherwise prefetch an early unit that no module of this forward uses again.
-            if self._forward_call < len(self._forward_calls):
-                for u in self._forward_calls[self._forward_call]:
-                    self._gather(self.units[u], backward, async_op=True)
-            return
-        # Backward runs the recorded forward order in reverse: gather the unit that follows
-        # the latest of this module's units in that order.
-        positions = [self._backward_position[u] for u in unit_ids if u in self._backward_position]
-        if positions and max(positions) + 1 < len(self._backward_order):
-            self._gather(self.units[self._backward_order[max(positions) + 1]], backward, async_op=True)
-
-    def _make_pre_forward(self, unit_ids: List[int]):
+    def _make_pre_forward(self, unit: Unit):
         def hook(module, args):
-            for u in unit_ids:
-                unit = self.units[u]
-                self._gather(unit, backward=False)
-                self._wait(unit)
-                unit.users += 1
-                if not self._order_known and u not in self._forward_order:
-                    self._forward_order.append(u)
+            self._use_for_forward(unit)
+            unit.enter()
             if not self._order_known:
-                self._forward_calls.append(unit_ids)
-            self._forward_call += 1
-            self._prefetch_after(unit_ids, backward=False)
+                self._forward_calls.append(unit.index)
+                self._forward_uses[unit.index] = self._forward_uses.get(unit.index, 0) + 1
+            self._call += 1
+            if self.config.prefetch and self._order_known and self._call < len(self._forward_calls):
+                # The next module call of the recorded forward (a unit used again later, a tied
+                # head or a reused module, is still gathered then: nothing to do).
+                self._gather(self.units[self._forward_calls[self._call]], FORWARD)
             return None
         return hook
 
-    def _make_post_forward(self, unit_ids: List[int]):
+    def _make_post_forward(self, unit: Unit):
         def hook(module, args, output):
-            for u in unit_ids:
-                unit = self.units[u]
-                unit.users -= 1
-                if unit.users == 0:
-                    unit.free()
-            self._register_pre_backward(output, unit_ids)
+            unit.exit()
+            # Free after the last use: while recording, after every use (the first step
+            # gathers a reused unit again rather than hold every unit to the end).
+            if unit.users == 0 and (not self._order_known
+                                    or unit.forward_calls >= self._forward_uses.get(unit.index, 0)):
+                unit.release()
+            self._register_pre_backward(output, unit)
             return None
         return hook
 
-    def _register_pre_backward(self, output, unit_ids: List[int]) -> None:
-        """Gather the module's units again when autograd reaches its outputs' gradients."""
+    # ---- backward ------------------------------------------------------------------------
+    def _register_pre_backward(self, output, unit: Unit) -> None:
+        """Gather the unit again when autograd reaches its module's outputs' gradients."""
         tensors = [t for t in _flatten(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors or not torch.is_grad_enabled():
             return
@@ -186,71 +182,72 @@ class ZeroEngine:
         def pre_backward(grad):
             if not fired[0]:
                 fired[0] = True
-                self._in_backward = True
-                for u in unit_ids:
-                    unit = self.units[u]
-                    self._gather(unit, backward=True)
-                    self._wait(unit)
-                self._prefetch_after(unit_ids, backward=True)
+                self._start_backward(unit)
             return grad
 
         for t in tensors:
             t.register_hook(pre_backward)
 
-    def _make_grad_ready(self, unit: FlatUnit):
-        expected = sum(p.requires_grad for p in unit.params)
+    def _start_backward(self, unit: Unit) -> None:
+        if unit.state in (UnitState.GRADS_PENDING, UnitState.REDUCED):
+            return  # another call of a reused module: still gathered
+        if not self._order_known:
+            self._backward_order.append(unit.index)
+        self._gather(unit, BACKWARD)
+        self._wait(unit)
+        unit.start_backward()
+        nxt = self._backward_next.get(unit.index) if self.config.prefetch else None
+        if nxt is not None and self.units[nxt].state in (UnitState.SHARDED, UnitState.SECONDARY_KEPT):
+            self._gather(self.units[nxt], BACKWARD)
 
+    def _make_grad_ready(self, unit: Unit):
         def hook(param):
-            unit.grads_ready += 1
-            if unit.grads_ready == expected:
+            if unit.grad_arrived():
                 self._reduce(unit)
         return hook
 
-    def _reduce(self, unit: FlatUnit) -> None:
-        if unit.reduced:
-            return
+    def _reduce(self, unit: Unit) -> None:
         self._wait(unit)
-        self.comm.reduce_grads(unit)
-        unit.reduced = True
-        if unit.users == 0:
-            unit.free()
+        for flat in unit.trainable:
+            self.comm.reduce_grads(flat)
+        unit.reduced()
 
     # ---- the training-loop API -----------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        self._in_backward = False
-        self._forward_call = 0
-        if not self._order_known:  # record the last forward before the first backward
-            self._forward_calls = []
         return self.module(*_cast_inputs(args, self.config.compute_dtype),
                            **_cast_inputs(kwargs, self.config.compute_dtype))
 
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() (scaled for fp16), then every unit's gradient reduce-scattered
         into the fp32 gradient shards; gradients accumulate until zero_grad()."""
-        self._in_backward = True
         (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
         # Units autograd did not reach in full (unused parameters) reduce now, in unit order,
         # so every rank runs the same reduce-scatters.
         for unit in self.units:
-            if unit.requires_grad and not unit.reduced:
+            if unit.requires_grad and unit.state is not UnitState.REDUCED:
                 self._reduce(unit)
+        self.comm.finish_reduces()
         for unit in self.units:
             self._wait(unit)
-            unit.free()
-            unit.grads_ready = 0
-            unit.reduced = False
-            unit.users = 0
-        self._in_backward = False
+            unit.reset()
         if not self._order_known:
             self._order_known = True
-            self._backward_order = self._forward_order[::-1]
-            self._backward_position = {u: i for i, u in enumerate(self._backward_order)}
+            order = self._backward_order
+            self._backward_next = {u: v for u, v in zip(order, order[1:])}
 
     @torch.no_grad()
     def step(self) -> bool:
         """Unscale, skip on overflow (fp16), clip, update the shards, refresh the compute
         copies. Returns False when the step was skipped."""
-        grads = [u.master.grad for u in self.units if u.master.grad is not None]
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.optimizer_seconds += time.perf_counter() - start
+
+    def _step(self) -> bool:
+        self.comm.finish_reduces()
+        grads = [f.master.grad for f in self.flat_params if f.master.grad is not None]
         if self.scaler.enabled:
             for g in grads:
                 g.div_(self.scaler.scale)
@@ -264,48 +261,74 @@ class ZeroEngine:
         if self.config.max_grad_norm is not None:
             self.clip_grad_norm(self.config.max_grad_norm)
         self.optimizer.step()
-        for unit in self.units:
-            unit.refresh_compute_shard()
+        for flat in self.flat_params:
+            flat.refresh_compute_shard()
+        self.steps += 1
         return True
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale the gradient shards so the global norm is at most max_norm; returns the norm."""
         sq = torch.zeros(1, dtype=torch.float64, device=self._flag_device())
-        for u in self.units:
-            if u.master.grad is not None:
-                sq += u.master.grad.double().pow(2).sum().to(sq.device)
+        for f in self.flat_params:
+            if f.master.grad is not None:
+                sq += f.master.grad.double().pow(2).sum().to(sq.device)
         dist.all_reduce(sq, group=self.group.pg)
         norm = float(sq.sqrt())
         if norm > max_norm:
-            for u in self.units:
-                if u.master.grad is not None:
-                    u.master.grad.mul_(max_norm / (norm + 1e-6))
+            for f in self.flat_params:
+                if f.master.grad is not None:
+                    f.master.grad.mul_(max_norm / (norm + 1e-6))
         return norm
 
     def zero_grad(self) -> None:
-        for unit in self.units:
-            unit.master.grad = None
+        for flat in self.flat_params:
+            flat.master.grad = None
 
     def _flag_device(self) -> torch.device:
         """Where the small all-reduced tensors live: the GPU for an NCCL group, else the CPU."""
-        if self.group.pg is not None and dist.get_backend(self.group.pg) == "nccl" and self.units:
-            return self.units[0].master.device
+        if self.group.pg is not None and dist.get_backend(self.group.pg) == "nccl" and self.flat_params:
+            return self.flat_params[0].master.device
         return torch.device("cpu")
+
+    # ---- checkpoints (checkpoint.py) -----------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's part of a resumable checkpoint: fp32 master shards, optimizer state,
+        loss-scaler state and step count (save it per rank with torch.save)."""
+        return checkpoint.engine_state_dict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from this rank's state_dict() of an engine with the same model, world size,
+        node size and config; any mismatch raises ValueError before anything changes."""
+        checkpoint.load_engine_state_dict(self, state)
+
+    def load_full_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        """Load a plain model state dict (full_state_dict(), or a single-process model's
+        state_dict()) at any world size; the optimizer state is left as it is."""
+        checkpoint.load_full_state_dict(self, state)
 
     # ---- inspection ------------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """Every parameter (tied names included) in full fp32, identical on all ranks."""
+        """Every parameter (tied names included) in full fp32 and every persistent buffer, in
+        state_dict() order, identical on all ranks."""
         full = {}
-        for unit in self.units:
-            gathered = torch.empty(unit.padded_numel, dtype=torch.float32, device=unit.master.device)
-            quantized_allgather(gathered, unit.master.detach(), self.group, bits=None)
-            full.update(unit.unflatten(gathered))
-        return {name: full[inner] for name, (unit, inner) in self._aliases.items()}
+        for flat in self.flat_params:
+            gathered = torch.empty(flat.padded_numel, dtype=torch.float32, device=flat.master.device)
+            quantized_allgather(gathered, flat.master.detach(), self.group, bits=None)
+            full.update(flat.unflatten(gathered))
+        out = {}
+        for name, value in self.module.state_dict(keep_vars=True).items():
+            out[name] = full[self._aliases[name][1]] if name in self._aliases else value.detach().clone()
+        return out
 
     def stats(self) -> dict:
         """Bytes of the engine's own collectives since it was built (qcoll.stats() rule)."""
         return self.comm.stats()
+
+    def timings(self) -> dict:
+        """Host seconds since the engine was built: issuing and waiting on all-gathers,
+        reduce-scatters, and step() (unscale, clip, optimizer, compute-copy refresh)."""
+        return dict(self.comm.seconds, optimizer=self.optimizer_seconds)
 
     @property
     def loss_scale(self) -> float:

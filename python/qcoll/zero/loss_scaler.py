@@ -26,3 +26,11 @@ class LossScaler:
         if self._good_steps >= self.window:
             self.scale *= 2.0
             self._good_steps = 0
+
+    def state_dict(self) -> dict:
+        return {"enabled": self.enabled, "dynamic": self.dynamic, "scale": self.scale,
+                "good_steps": self._good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self._good_steps = int(state["good_steps"])

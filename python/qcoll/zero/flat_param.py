@@ -1,10 +1,11 @@
-"""One ZeRO-3 unit: the parameters a module owns directly, flattened into one buffer and
-partitioned over the group.
+"""One flat buffer of a ZeRO-3 unit: parameters of one kind (all trainable, or all frozen)
+flattened into one buffer and partitioned over the group.
 
 Each rank keeps the fp32 master shard (what the optimizer updates), its compute-dtype copy
 (what the all-gathers send) and the fp32 gradient shard. The full compute-dtype buffer
-exists only while the unit is in use: its storage is resized to 0 when freed and back when
+exists only while the unit is gathered: its storage is resized to 0 when freed and back when
 gathered, so the parameter views (and tensors autograd saved) stay valid across gathers.
+Which state the buffer is in is the unit's business (unit.py); this class only holds memory.
 """
 
 from __future__ import annotations
@@ -16,15 +17,14 @@ import torch
 import torch.nn as nn
 
 
-class FlatUnit:
-    def __init__(self, index: int, module: nn.Module, params: List[nn.Parameter], names: List[str],
-                 world: int, rank: int, compute_dtype: torch.dtype):
+class FlatParam:
+    def __init__(self, index: int, params: List[nn.Parameter], names: List[str], world: int, rank: int,
+                 compute_dtype: torch.dtype):
         for name, p in zip(names, params):
             if not p.is_floating_point():
                 raise TypeError(f"parameter {name} has dtype {p.dtype}; ZeRO-3 shards floating-point "
                                 "parameters only")
         self.index = index
-        self.module = module
         self.params = params
         self.names = names
         self.shapes = [p.shape for p in params]
@@ -37,26 +37,25 @@ class FlatUnit:
         self.padded_numel = world * self.shard_numel
         self.rank = rank
         self.compute_dtype = compute_dtype
+        self.requires_grad = params[0].requires_grad
         device = params[0].device
 
         flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
         with torch.no_grad():
             for p, off, n in zip(params, self.offsets, self.numels):
                 flat[off:off + n].copy_(p.detach().reshape(-1))
-        begin = rank * self.shard_numel
-        self.master = nn.Parameter(flat[begin:begin + self.shard_numel].clone())
+        self.master = nn.Parameter(self.shard_of(flat).clone(), requires_grad=self.requires_grad)
         self.compute_shard = self.master.detach().to(compute_dtype)
         self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         self.secondary: Optional[torch.Tensor] = None  # hpZ's copy of part of `full`
-        self.requires_grad = any(p.requires_grad for p in params)
-        self.gathered = False
-        self.users = 0  # modules currently running forward with this unit
-        self.pending = None  # Work of a prefetch in flight
-        self.grads_ready = 0
-        self.reduced = False  # this backward's reduce-scatter done
         for p, off, n, shape in zip(params, self.offsets, self.numels, self.shapes):
             p.data = self.full[off:off + n].view(shape)
         self.free()
+
+    def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's partition of a padded flat buffer."""
+        begin = self.rank * self.shard_numel
+        return flat[begin:begin + self.shard_numel]
 
     # ---- full buffer lifetime ----------------------------------------------------------
     def allocate(self) -> None:
@@ -67,11 +66,10 @@ class FlatUnit:
 
     def free(self) -> None:
         self.full.untyped_storage().resize_(0)
-        self.gathered = False
 
     # ---- gradients ---------------------------------------------------------------------
     def flat_grad(self) -> torch.Tensor:
-        """This rank's gradient of the whole unit, in the compute dtype, padded."""
+        """This rank's gradient of the whole buffer, in the compute dtype, padded."""
         grad = torch.zeros(self.padded_numel, dtype=self.compute_dtype, device=self.full.device)
         for p, off, n in zip(self.params, self.offsets, self.numels):
             if p.grad is not None:
@@ -86,9 +84,16 @@ class FlatUnit:
         else:
             self.master.grad.add_(shard)
 
-    # ---- after the optimizer step ----------------------------------------------------------
+    # ---- weights -------------------------------------------------------------------------
     def refresh_compute_shard(self) -> None:
         self.compute_shard.copy_(self.master.detach())
+
+    def flatten(self, tensors: List[torch.Tensor]) -> torch.Tensor:
+        """The padded fp32 flat buffer of full parameter values, in this buffer's order."""
+        flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.master.device)
+        for t, off, n in zip(tensors, self.offsets, self.numels):
+            flat[off:off + n].copy_(t.reshape(-1))
+        return flat
 
     def unflatten(self, flat: torch.Tensor) -> dict:
         return {name: flat[off:off + n].view(shape).clone()

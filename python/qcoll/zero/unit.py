@@ -1,0 +1,153 @@
+"""A ZeRO-3 unit and its lifecycle, in one place.
+
+A unit is a module and the parameters it holds (units.py), in up to two flat buffers
+(flat_param.py): trainable ones and frozen ones (a frozen parameter must not share a master
+shard with trainable ones, or weight decay would move it). Each step a unit goes through
+
+    forward:   SHARDED -> GATHERING -> GATHERED <-> IN_USE (its module's forward runs)
+               GATHERED -> SECONDARY_KEPT (hpZ) or SHARDED, after its last forward use
+    backward:  SECONDARY_KEPT or SHARDED -> GATHERING -> GATHERED -> GRADS_PENDING
+               GRADS_PENDING -> REDUCED when autograd has accumulated all its gradients
+    end:       every unit -> SHARDED
+
+Only the methods here change `state`, and each checks that the transition is legal, so an
+engine bug is an error naming the unit and both states, not silently wrong weights.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import List, Optional
+
+import torch.nn as nn
+
+from .flat_param import FlatParam
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"  # only this rank's shard
+    GATHERING = "gathering"  # an all-gather into the full buffers is in flight
+    GATHERED = "gathered"  # full weights valid, no module running on them
+    IN_USE = "in use"  # its module's forward runs on them (users > 0)
+    SECONDARY_KEPT = "secondary kept"  # forward done; hpZ kept part of the weights for backward
+    GRADS_PENDING = "gradients pending"  # gathered for backward, autograd still computing gradients
+    REDUCED = "reduced"  # this backward's gradients reduce-scattered; trainable buffer freed
+
+
+_ALLOWED = {
+    UnitState.SHARDED: {UnitState.GATHERING, UnitState.REDUCED},
+    UnitState.SECONDARY_KEPT: {UnitState.GATHERING, UnitState.REDUCED, UnitState.SHARDED},
+    UnitState.GATHERING: {UnitState.GATHERED},
+    UnitState.GATHERED: {UnitState.IN_USE, UnitState.GRADS_PENDING, UnitState.SECONDARY_KEPT,
+                         UnitState.SHARDED, UnitState.REDUCED},
+    UnitState.IN_USE: {UnitState.GATHERED},
+    UnitState.GRADS_PENDING: {UnitState.REDUCED, UnitState.SHARDED},
+    UnitState.REDUCED: {UnitState.SHARDED},
+}
+FORWARD, BACKWARD = "forward", "backward"
+
+
+class Unit:
+    def __init__(self, index: int, name: str, module: nn.Module, flats: List[FlatParam]):
+        self.index = index
+        self.name = name or "<root>"
+        self.module = module
+        self.flats = flats
+        self.state = UnitState.SHARDED
+        self.users = 0  # calls of its module whose forward is running
+        self.forward_calls = 0  # calls of its module in this forward
+        self.grads_ready = 0  # trainable parameters whose gradient autograd has accumulated
+        self.expected_grads = sum(len(f.params) for f in flats if f.requires_grad)
+        self._works: list = []
+        self._gather_phase: Optional[str] = None
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.expected_grads > 0
+
+    @property
+    def trainable(self) -> List[FlatParam]:
+        return [f for f in self.flats if f.requires_grad]
+
+    def _move(self, new: UnitState) -> None:
+        if new not in _ALLOWED[self.state]:
+            raise RuntimeError(f"qcoll.zero: unit {self.index} ({self.name}) cannot go from "
+                               f"{self.state.value} to {new.value}")
+        self.state = new
+
+    # ---- gathering -----------------------------------------------------------------------
+    @property
+    def gathered(self) -> bool:
+        """Full weights valid or on their way."""
+        return self.state in (UnitState.GATHERING, UnitState.GATHERED, UnitState.IN_USE,
+                              UnitState.GRADS_PENDING)
+
+    def gather(self, phase: str, issue) -> None:
+        """Start the all-gather of every buffer: issue(flat) returns the call's Work."""
+        for f in self.flats:
+            f.allocate()
+        self._works = [issue(f) for f in self.flats]
+        self._gather_phase = phase
+        self._move(UnitState.GATHERING)
+
+    def wait(self, timed) -> Optional[str]:
+        """Wait for an all-gather in flight (timed(fn) runs fn and times it); returns the
+        phase it was issued for, or None when nothing was in flight."""
+        if self.state is not UnitState.GATHERING:
+            return None
+        for w in self._works:
+            if w is not None:
+                timed(w.wait)
+        self._works = []
+        self._move(UnitState.GATHERED)
+        return self._gather_phase
+
+    # ---- forward -------------------------------------------------------------------------
+    def new_forward(self) -> None:
+        self.forward_calls = 0
+
+    def enter(self) -> None:
+        if self.state is not UnitState.IN_USE:
+            self._move(UnitState.IN_USE)
+        self.users += 1
+        self.forward_calls += 1
+
+    def exit(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            self._move(UnitState.GATHERED)
+
+    def release(self) -> None:
+        """Free the full buffers after forward; hpZ's secondary shards, if kept, stay."""
+        for f in self.flats:
+            f.free()
+        kept = any(f.secondary is not None for f in self.flats)
+        self._move(UnitState.SECONDARY_KEPT if kept else UnitState.SHARDED)
+
+    # ---- backward ------------------------------------------------------------------------
+    def start_backward(self) -> None:
+        self._move(UnitState.GRADS_PENDING)
+
+    def grad_arrived(self) -> bool:
+        """A trainable parameter's gradient is accumulated; True when it was the last one."""
+        self.grads_ready += 1
+        return self.grads_ready == self.expected_grads
+
+    def reduced(self) -> None:
+        """Its gradients are reduce-scattered: the trainable buffers and every secondary
+        are no longer needed (frozen weights may still feed input gradients: they stay
+        until the backward ends)."""
+        for f in self.flats:
+            if f.requires_grad:
+                f.free()
+            f.secondary = None
+        self._move(UnitState.REDUCED)
+
+    def reset(self) -> None:
+        """End of backward: only the shards remain."""
+        for f in self.flats:
+            f.free()
+            f.secondary = None
+        self.users = self.grads_ready = self.forward_calls = 0
+        if self.state is not UnitState.SHARDED:
+            self._move(UnitState.SHARDED)
