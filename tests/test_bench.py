@@ -38,7 +38,8 @@ def test_sizes_option_is_refused_where_it_does_not_apply():
 
 
 def test_zero_tiny_result_line():
-    """`bench/run.py zero --tiny`: a tiny GPT, ZeRO-3 vs ZeRO++, 3 steps on 4 gloo ranks (~10 s)."""
+    """`bench/run.py zero --tiny`: a tiny GPT, ZeRO-3 vs ZeRO++ and FSDP2 vs FSDP2+qcoll, 3 steps on
+    4 gloo ranks (~15 s)."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "zero", "--tiny"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -47,12 +48,15 @@ def test_zero_tiny_result_line():
     result = json.loads(last[len("RESULT "):])
     assert result["suite"] == "zero" and result["world"] == 4 and result["node_size"] == 2
     rows = {r["config"]: r for r in result["rows"]}
-    assert set(rows) == {"ZeRO-3", "ZeRO++"}
+    assert set(rows) == {"ZeRO-3", "ZeRO++", "FSDP2", "FSDP2+qcoll"}
     for r in rows.values():
         assert r["step_time_s"] > 0 and r["inter_bytes_per_rank"] > 0
         assert len(r["losses"]) == r["steps"] and all(l == l for l in r["losses"])  # no NaN
     # qwZ + hpZ + qgZ send far fewer bytes across nodes than plain ZeRO-3.
     assert rows["ZeRO++"]["inter_bytes_per_rank"] < 0.5 * rows["ZeRO-3"]["inter_bytes_per_rank"]
+    # ... and so does FSDP2 with qcoll's collectives than with its own.
+    assert rows["FSDP2+qcoll"]["inter_bytes_per_rank"] < 0.5 * rows["FSDP2"]["inter_bytes_per_rank"]
+    assert rows["FSDP2"]["phase_s"]["gather"] is None  # FSDP2 does not time its collectives
     assert "zeropp_step_speedup_local" in result["targets"]
 
 

@@ -2,9 +2,10 @@
 
     python bench/suites/_zero_worker.py CONFIG.json RANK
 
-For every ZeRO configuration in the config: builds examples/gpt.py's GPT from the same seed,
+For every configuration in the config: builds examples/gpt.py's GPT from the same seed,
 wraps it in qcoll.zero.ZeroEngine (bf16 compute, AdamW) on a qcoll group of node_size ranks
-per node, and trains `steps` steps on the same synthetic Markov data. Per step: the slowest
+per node, or shards it with PyTorch FSDP2 (a "fsdp2" entry: "default" or "qcoll"; see
+FSDP2Run), and trains `steps` steps on the same synthetic Markov data. Per step: the slowest
 rank's time of forward + backward + step (after `warmup` steps), the bytes the engine sent
 to other nodes and within the node (engine.stats() deltas, mean per rank), and the loss.
 Per step and rank, engine.timings() splits the step's host time into waiting on
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -43,37 +45,99 @@ def _tx_bytes(iface) -> int:
         return int(f.read())
 
 
+class EngineRun:
+    """qcoll.zero.ZeroEngine with the configuration's ZeRO++ techniques."""
+
+    def __init__(self, cfg: dict, group, model, techniques: dict):
+        config = ZeroConfig(**techniques, compute_dtype=torch.bfloat16, max_grad_norm=1.0)
+        self.engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=cfg["lr"], weight_decay=0.01),
+                                 group, config=config)
+
+    def step(self, x, y):
+        self.engine.zero_grad()
+        loss = gpt.lm_loss(self.engine(x), y)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss
+
+    def traffic(self) -> tuple:
+        s = self.engine.stats()
+        return (sum(s[c]["inter_bytes"] for c in CATEGORIES), sum(s[c]["intra_bytes"] for c in CATEGORIES))
+
+    def timings(self) -> dict:
+        return self.engine.timings()
+
+
+class FSDP2Run:
+    """PyTorch FSDP2 (fully_shard per block, bf16 params, fp32 reduce): its default
+    collectives counted under qcoll's rule ("default"), or qcoll.fsdp.use_qcoll with hpZ as
+    reshard_after_forward=<node size> ("qcoll"). FSDP2 does not time its collectives: the
+    step splits into the optimizer and the rest ("compute": compute and communication)."""
+
+    def __init__(self, cfg: dict, group, model, techniques: dict):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        import train_fsdp2
+
+        mode = techniques["fsdp2"]
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mesh = init_device_mesh("cpu", (cfg["world"],))
+        reshard = cfg["node_size"] if mode == "qcoll" else True
+        self.model = train_fsdp2.shard_blocks(model, mesh, reshard_after_forward=reshard, mp_policy=policy)
+        train_fsdp2.configure(self.model, mode, cfg["node_size"])
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"], weight_decay=0.01)
+        self.optimizer_s = 0.0
+
+    def step(self, x, y):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = gpt.lm_loss(self.model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        t0 = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer_s += time.perf_counter() - t0
+        return loss
+
+    def traffic(self) -> tuple:
+        s = qcoll.stats()
+        return (sum(s[c]["inter_bytes"] for c in ("allgather", "reduce_scatter")),
+                sum(s[c]["intra_bytes"] for c in ("allgather", "reduce_scatter")))
+
+    def timings(self) -> dict:
+        return {"optimizer": self.optimizer_s}
+
+
+def _median_or_none(values: list):
+    return None if any(math.isnan(v) for v in values) else statistics.median(values)
+
+
 def train(cfg: dict, rank: int, group, language, model_cfg, name: str, techniques: dict) -> dict:
     world, node_size = cfg["world"], cfg["node_size"]
     iface = cfg.get("iface") if rank % node_size == 0 else None
     torch.manual_seed(cfg["seed"])
-    model = gpt.GPT(model_cfg)
-    config = ZeroConfig(**techniques, compute_dtype=torch.bfloat16, max_grad_norm=1.0)
-    engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=cfg["lr"], weight_decay=0.01), group,
-                        config=config)
+    run = (FSDP2Run if "fsdp2" in techniques else EngineRun)(cfg, group, gpt.GPT(model_cfg), techniques)
     times, inter, intra, wire, losses, phases = [], [], [], [], [], []
     for step in range(cfg["steps"]):
         x, y = language.batch(step, cfg["batch"] * world, cfg["seq"], seed=cfg["seed"])
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-        before, t_before = engine.stats(), engine.timings()
+        before, t_before = run.traffic(), run.timings()
         dist.barrier()
         tx0 = _tx_bytes(iface)
         t0 = time.perf_counter()
-        engine.zero_grad()
-        loss = gpt.lm_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
+        loss = run.step(x, y)
         dt = time.perf_counter() - t0
         dist.barrier()  # every rank done sending: the step's bytes left the veth
         tx = _tx_bytes(iface) - tx0
-        after, t_after = engine.stats(), engine.timings()
-        spent = {k: t_after[k] - t_before[k] for k in ("gather", "reduce_scatter", "optimizer")}
-        spent["compute"] = dt - sum(spent.values())
+        after, t_after = run.traffic(), run.timings()
+        # A phase the run cannot time (FSDP2's collectives) is NaN; compute is the rest.
+        spent = {k: t_after[k] - t_before[k] if k in t_after else math.nan
+                 for k in ("gather", "reduce_scatter", "optimizer")}
+        spent["compute"] = dt - sum(v for v in spent.values() if not math.isnan(v))
         p = torch.tensor([spent[k] for k in PHASES], dtype=torch.float64)
         dist.all_reduce(p)
         phases.append((p / world).tolist())
-        d_inter = sum(after[c]["inter_bytes"] - before[c]["inter_bytes"] for c in CATEGORIES)
-        d_intra = sum(after[c]["intra_bytes"] - before[c]["intra_bytes"] for c in CATEGORIES)
+        d_inter, d_intra = after[0] - before[0], after[1] - before[1]
         t = torch.tensor([dt, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
         dist.all_reduce(t[:1], op=dist.ReduceOp.MAX)  # the slowest rank's step
         s = torch.tensor([float(d_inter), float(d_intra), float(loss.item()), float(tx)], dtype=torch.float64)
@@ -88,7 +152,7 @@ def train(cfg: dict, rank: int, group, language, model_cfg, name: str, technique
     tail = min(5, len(losses))
     row = {"config": name, **techniques, "steps": cfg["steps"], "warmup": w,
            "step_time_s": statistics.median(timed), "step_times_s": timed,
-           "phase_s": {k: statistics.median(ph[i] for ph in (phases[w:] or phases)) for i, k in enumerate(PHASES)},
+           "phase_s": {k: _median_or_none([ph[i] for ph in (phases[w:] or phases)]) for i, k in enumerate(PHASES)},
            "inter_bytes_per_rank": statistics.mean(inter[1:] or inter),
            "intra_bytes_per_rank": statistics.mean(intra[1:] or intra),
            "loss_first": losses[0], "loss_final": losses[-1],

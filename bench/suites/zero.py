@@ -9,12 +9,15 @@ the steps after warm-up of the slowest rank's step time (forward + backward + op
 step), its breakdown (compute, waiting on all-gathers, reduce-scatters, optimizer; from
 engine.timings(), mean over ranks), the bytes the engine sent to other nodes and inside the
 node per step and rank (engine.stats() deltas, qcoll's accounting), and the loss after N
-steps. The full run is the ZeRO++ paper's communication-bound regime: a 9.7M-parameter GPT
+steps. FSDP2 rows: the same model under PyTorch FSDP2 (fully_shard per block, bf16 params,
+fp32 reduce), with its default collectives (counted under qcoll's rule) and with
+qcoll.fsdp.use_qcoll + reshard_after_forward=2 (hpZ); FSDP2 does not time its collectives,
+so their "compute" is compute and communication. The full run is the ZeRO++ paper's communication-bound regime: a 9.7M-parameter GPT
 and a micro-batch of one 32-token sequence per rank.
 
 --link GBIT: the same inside the cluster suite's emulated cluster (_netns.py: one network
 namespace per node, tc tbf throttling each node's link to GBIT Gbit/s both ways), ZeRO-3 vs
-ZeRO++ only (all five with the full run), with the bytes that actually left each node's veth,
+ZeRO++ and the FSDP2 pair only (all with the full run), with the bytes that actually left each node's veth,
 and the speedup of ZeRO++ over ZeRO-3 against the target (measured, never asserted).
 Needs root and iproute2 for --link."""
 
@@ -32,7 +35,11 @@ CONFIGS = [
     ("hpZ", dict(qwz=False, hpz=True, qgz=False)),
     ("qgZ", dict(qwz=False, hpz=False, qgz=True)),
     ("ZeRO++", dict(qwz=True, hpz=True, qgz=True)),
+    # PyTorch FSDP2 on the same model: its own collectives, then qcoll's (qcoll.fsdp).
+    ("FSDP2", dict(fsdp2="default")),
+    ("FSDP2+qcoll", dict(fsdp2="qcoll")),
 ]
+PAIRS = ("ZeRO-3", "ZeRO++", "FSDP2", "FSDP2+qcoll")  # the rows of quick --link and tiny runs
 PHASES = ("compute", "gather", "reduce_scatter", "optimizer")
 TARGET = 2.0  # a ZeRO-3 step with all three on >= 2x faster than with all off ...
 TARGET_GBIT = 1  # ... at 1 Gbit/s between nodes
@@ -46,7 +53,7 @@ def config(quick: bool, link: bool = False, tiny: bool = False) -> dict:
     else:
         model, steps, warmup, batch, seq = dict(d_model=512, layers=3, heads=8, vocab=512), 20, 3, 1, 32
     lr = 1e-3 if not (quick or tiny) else 3e-3  # the 9.7M model rises for its first steps at 3e-3
-    configs = [c for c in CONFIGS if c[0] in ("ZeRO-3", "ZeRO++")] if (link and quick) or tiny else CONFIGS
+    configs = [c for c in CONFIGS if c[0] in PAIRS] if (link and quick) or tiny else CONFIGS
     return {"world": NODES * NODE_SIZE, "node_size": NODE_SIZE, "model": model, "steps": steps,
             "warmup": warmup, "batch": batch, "seq": seq, "lr": lr, "seed": 0, "configs": configs}
 
@@ -115,15 +122,20 @@ def table(result: dict) -> list:
         p = result["probe"]
         lines.append(f"link probed {p['gbit_s']:.2f} Gbit/s one stream, RTT {p['rtt_us']:.0f} us")
     wire = any("wire_bytes_per_node" in r for r in result["rows"])
-    lines.append(f"{'config':8} {'step ms':>9} {'speedup':>8} {'x-node/rank':>12} {'in-node/rank':>13}"
+    lines.append(f"{'config':11} {'step ms':>9} {'speedup':>8} {'x-node/rank':>12} {'in-node/rank':>13}"
                  + (f" {'wire/node':>10}" if wire else "") + f" {'loss@N':>8}"
                  + "   ms: compute / gather / reduce-scatter / optimizer")
     for r in result["rows"]:
         ph = r.get("phase_s", {})
-        lines.append(f"{r['config']:8} {r['step_time_s'] * 1e3:9.1f} {r['speedup_vs_zero3']:7.2f}x "
+        lines.append(f"{r['config']:11} {r['step_time_s'] * 1e3:9.1f} {r['speedup_vs_zero3']:7.2f}x "
                      f"{_mb(r['inter_bytes_per_rank']):>12} {_mb(r['intra_bytes_per_rank']):>13}"
                      + (f" {_mb(r['wire_bytes_per_node']):>10}" if wire else "") + f" {r['loss_final']:8.4f}"
-                     + ("   " + " / ".join(f"{1e3 * ph[k]:.0f}" for k in PHASES) if ph else ""))
+                     + ("   " + " / ".join("-" if ph[k] is None else f"{1e3 * ph[k]:.0f}" for k in PHASES) if ph else ""))
+    rows = {r["config"]: r for r in result["rows"]}
+    if "FSDP2" in rows and "FSDP2+qcoll" in rows:
+        d, q = rows["FSDP2"], rows["FSDP2+qcoll"]
+        lines.append(f"FSDP2+qcoll vs FSDP2 default: speedup {d['step_time_s'] / q['step_time_s']:.2f}x, "
+                     f"cross-node bytes {q['inter_bytes_per_rank'] / d['inter_bytes_per_rank']:.3f}x")
     lines.append(f"loss starts at ~ln(vocab); the language's entropy rate is {result['entropy_rate']:.3f}")
     for key, t in result["targets"].items():
         verdict = "met" if t["met"] else f"MISSED by {t['short_by']:.2f}x ({t['short_by_frac']:.0%})"
