@@ -286,8 +286,9 @@ def test_len_zero_is_a_no_op():
 def test_wire_chunk_bytes_checks_the_format():
     assert _C.wire_chunk_bytes(8, 256, 0, 1000) == chunk_bytes(8, 256, torch.float32, 1000)
     assert _C.wire_chunk_bytes(0, 12345, 2, 3) == 16  # raw: group_size unused
+    assert _C.wire_chunk_bytes(0, 256, 3, 17) == 32  # raw bytes (code 3): 17 bytes, padded
     for bits, gs, raw in [(3, 256, 0), (16, 256, 0), (8, 12, 0), (4, 0, 0), (8, 2**25, 0),
-                          (0, 256, 3), (8, 256, -1)]:
+                          (0, 256, 4), (8, 256, 3), (4, 256, 3), (8, 256, -1)]:
         with pytest.raises(ValueError):
             _C.wire_chunk_bytes(bits, gs, raw, 10)
 
