@@ -2,8 +2,10 @@
 
 The wire layout (include/qcoll/wire.h): a quantized chunk of L elements is its codes
 (ceil(L * bits / 8) bytes) padded to 16, then one fp32 scale per group padded to 16; a raw
-chunk is L * itemsize bytes padded to 16. Peers on this rank's node count as intra, the
-others as inter. Per call:
+chunk is L * itemsize bytes padded to 16. On CPU every chunk that qcoll's own exchanges
+move (not the transport's own all-gather / reduce-scatter) starts with a 32-byte header
+(include/qcoll/wire_header.h), counted in intra/inter bytes and again in header_bytes.
+Peers on this rank's node count as intra, the others as inter. Per call:
   baseline all-gather of S bytes per rank:  S per peer
   baseline reduce-scatter (n outputs):      n * itemsize per peer
   quantized all-gather:                     one chunk of n per peer
@@ -29,12 +31,15 @@ def ru(x: int) -> int:
     return -(-x // 16) * 16
 
 
+HEADER = 32
+
+
 def qchunk(length: int, bits: int, group_size: int = 256) -> int:
-    return ru(-(-length * bits // 8)) + ru(4 * -(-length // group_size))
+    return HEADER + ru(-(-length * bits // 8)) + ru(4 * -(-length // group_size))
 
 
 def rawchunk(length: int, dtype: torch.dtype) -> int:
-    return ru(length * dtype.itemsize)
+    return HEADER + ru(length * dtype.itemsize)
 
 
 def chunk(length: int, bits, dtype: torch.dtype, group_size: int = 256) -> int:
@@ -64,15 +69,29 @@ def expected_reduce_scatter(world, ns, n, dtype, intra_bits, inter_bits, group_s
 
 
 def expected_allgather(world, ns, n, dtype, bits, group_size):
-    per_peer = n * dtype.itemsize if bits is None else qchunk(n, bits, group_size)
+    per_peer = n * dtype.itemsize if bits is None else (qchunk(n, bits, group_size) if n else 0)
     return (ns - 1) * per_peer, (world - ns) * per_peer
 
 
 def _zero():
-    return {"calls": 0, "intra_bytes": 0, "inter_bytes": 0}
+    return {"calls": 0, "intra_bytes": 0, "inter_bytes": 0, "header_bytes": 0}
+
+
+def _headers(world, ns, n, intra_bits, inter_bits, stages, hierarchical, allgather=False):
+    """Header bytes of one call: one header per chunk sent to a peer."""
+    nodes = world // ns
+    if allgather:
+        return 0 if intra_bits is None or n == 0 else HEADER * (world - 1)
+    two_hop = nodes > 1 and ns > 1 and hierarchical is not False
+    count = len(slices(n, stages))
+    if two_hop:
+        return HEADER * count * (nodes * (ns - 1) + nodes - 1)
+    bits = inter_bits if nodes > 1 else intra_bits
+    return 0 if bits is None else HEADER * count * (world - 1)
 
 
 def _stats_worker(rank, world, ns, rs_cases, ag_cases):
+    qcoll.collectives._MIN_STAGE_BYTES = 0  # every requested stage, as counted below
     g = qcoll.new_group(node_size=ns)
     report = []
     for case in rs_cases:
@@ -87,8 +106,11 @@ def _stats_worker(rank, world, ns, rs_cases, ag_cases):
         intra, inter = expected_reduce_scatter(
             world, ns, n, dtype, kw.get("intra_bits", 8), kw.get("inter_bits", 4),
             kw.get("group_size") or qcoll.DEFAULT_GROUP_SIZE, kw.get("pipeline_stages") or 1, kw.get("hierarchical"))
+        headers = _headers(world, ns, n, kw.get("intra_bits", 8), kw.get("inter_bits", 4),
+                           kw.get("pipeline_stages") or 1, kw.get("hierarchical"))
         want = {"allgather": _zero(),
-                "reduce_scatter": {"calls": 2, "intra_bytes": 2 * intra, "inter_bytes": 2 * inter}}
+                "reduce_scatter": {"calls": 2, "intra_bytes": 2 * intra, "inter_bytes": 2 * inter,
+                                   "header_bytes": 2 * headers}}
         got = qcoll.stats()
         assert got == want, f"reduce_scatter {case}: stats {got}, expected {want}"
         report.append(("rs", case, got["reduce_scatter"]))
@@ -102,7 +124,9 @@ def _stats_worker(rank, world, ns, rs_cases, ag_cases):
         qcoll.quantized_allgather(out, torch.ones(n, dtype=dtype), grp, bits=bits, group_size=gs)
         gw, gns = {None: (world, ns), "intra": (ns, ns), "inter": (world // ns, 1)}[sub]
         intra, inter = expected_allgather(gw, gns, n, dtype, bits, gs or qcoll.DEFAULT_GROUP_SIZE)
-        want = {"allgather": {"calls": 1, "intra_bytes": intra, "inter_bytes": inter},
+        headers = _headers(gw, gns, n, bits, bits, 1, None, allgather=True)
+        want = {"allgather": {"calls": 1, "intra_bytes": intra, "inter_bytes": inter,
+                              "header_bytes": headers},
                 "reduce_scatter": _zero()}
         got = qcoll.stats()
         assert got == want, f"allgather {case}: stats {got}, expected {want}"
@@ -144,16 +168,21 @@ def test_stats_match_hand_computed_volumes(world, ns):
         # Spot values computed by hand (world 4 = 2 nodes x 2, n = 1000, group 256).
         by = {(kind, repr(case)): st for kind, case, st in reports[0]}
         # Baseline bf16: 2000 bytes to each peer (1 local, 2 remote), twice.
-        assert by["rs", repr(RS_CASES[0])] == {"calls": 2, "intra_bytes": 4000, "inter_bytes": 8000}
-        # 2-hop int8/int4: int8 chunk 1008 + 16 = 1024, two per local peer; int4 chunk
-        # 512 + 16 = 528 to the one remote peer.
-        assert by["rs", repr(RS_CASES[2])] == {"calls": 2, "intra_bytes": 4096, "inter_bytes": 1056}
-        # Flat 1-hop at int4 crosses nodes from every rank: 528 to each of 3 peers.
-        assert by["rs", repr(RS_CASES[5])] == {"calls": 2, "intra_bytes": 1056, "inter_bytes": 2112}
+        assert by["rs", repr(RS_CASES[0])] == {"calls": 2, "intra_bytes": 4000, "inter_bytes": 8000,
+                                               "header_bytes": 0}
+        # 2-hop int8/int4: int8 chunk 32 + 1008 + 16 = 1056, two per local peer; int4 chunk
+        # 32 + 512 + 16 = 560 to the one remote peer; 3 headers a call.
+        assert by["rs", repr(RS_CASES[2])] == {"calls": 2, "intra_bytes": 4224, "inter_bytes": 1120,
+                                               "header_bytes": 192}
+        # Flat 1-hop at int4 crosses nodes from every rank: 560 to each of 3 peers.
+        assert by["rs", repr(RS_CASES[5])] == {"calls": 2, "intra_bytes": 1120, "inter_bytes": 2240,
+                                               "header_bytes": 192}
         # Baseline all-gather: S = 2000 bytes per peer.
-        assert by["ag", repr(AG_CASES[0])] == {"calls": 1, "intra_bytes": 2000, "inter_bytes": 4000}
+        assert by["ag", repr(AG_CASES[0])] == {"calls": 1, "intra_bytes": 2000, "inter_bytes": 4000,
+                                               "header_bytes": 0}
         # hpZ: the all-gather inside the node sends nothing across nodes.
-        assert by["ag", repr(AG_CASES[4])] == {"calls": 1, "intra_bytes": 1024, "inter_bytes": 0}
+        assert by["ag", repr(AG_CASES[4])] == {"calls": 1, "intra_bytes": 1056, "inter_bytes": 0,
+                                               "header_bytes": 32}
 
 
 def _ratio_worker(rank, world, ns, n):
@@ -177,7 +206,10 @@ def test_cross_node_volume_ratio(world, ns):
     assert gs == 256, "the hand-computed numbers below assume the default group size 256"
     nodes = world // ns
     res = run_ranks(world, _ratio_worker, ns, n)[0]
-    base, two, flat4 = res["baseline"]["inter_bytes"], res["two_hop"]["inter_bytes"], res["flat_int4"]["inter_bytes"]
+    base = res["baseline"]["inter_bytes"]
+    # Payload only: each chunk's 32-byte header is accounted for apart (header_bytes).
+    two = res["two_hop"]["inter_bytes"] - (nodes - 1) * HEADER
+    flat4 = res["flat_int4"]["inter_bytes"] - (world - ns) * HEADER
     assert base == (world - ns) * n * 2  # bf16 output bytes to each remote peer
     assert two == (nodes - 1) * (n // 2 + 4 * (n // gs))  # one int4 chunk per remote node
     assert flat4 == (world - ns) * (n // 2 + 4 * (n // gs))
@@ -189,5 +221,5 @@ def test_cross_node_volume_ratio(world, ns):
         assert (base, two) == (16384, 2112) and float(ratio) == 0.12890625
     assert Fraction(two, flat4) == Fraction(1, ns)
     # Intra bytes: 2-hop sends nodes int8 chunks to each local peer.
-    assert res["two_hop"]["intra_bytes"] == (ns - 1) * nodes * (n + 4 * (n // gs))
+    assert res["two_hop"]["intra_bytes"] == (ns - 1) * nodes * (HEADER + n + 4 * (n // gs))
     assert res["baseline"]["intra_bytes"] == (ns - 1) * n * 2
