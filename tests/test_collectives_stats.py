@@ -4,7 +4,8 @@ The wire layout (include/qcoll/wire.h): a quantized chunk of L elements is its c
 (ceil(L * bits / 8) bytes) padded to 16, then one fp32 scale per group padded to 16; a raw
 chunk is L * itemsize bytes padded to 16. On CPU every chunk that qcoll's own exchanges
 move (not the transport's own all-gather / reduce-scatter) starts with a 32-byte header
-(include/qcoll/wire_header.h), counted in intra/inter bytes and again in header_bytes.
+(include/qcoll/wire_header.h), and every call first all-gathers a 32-byte call header
+(the cross-rank check), both counted in intra/inter bytes and again in header_bytes.
 Peers on this rank's node count as intra, the others as inter. Per call:
   baseline all-gather of S bytes per rank:  S per peer
   baseline reduce-scatter (n outputs):      n * itemsize per peer
@@ -31,7 +32,8 @@ def ru(x: int) -> int:
     return -(-x // 16) * 16
 
 
-HEADER = 32
+HEADER = 32  # per chunk
+CALL = 32  # per call and peer
 
 
 def qchunk(length: int, bits: int, group_size: int = 256) -> int:
@@ -54,6 +56,13 @@ def slices(n: int, stages: int) -> list:
 def expected_reduce_scatter(world, ns, n, dtype, intra_bits, inter_bits, group_size, stages,
                             hierarchical):
     """(intra_bytes, inter_bytes) of one reduce-scatter, from the contract."""
+    intra, inter = _payload_reduce_scatter(world, ns, n, dtype, intra_bits, inter_bits, group_size,
+                                           stages, hierarchical)
+    return intra + CALL * (ns - 1), inter + CALL * (world - ns)
+
+
+def _payload_reduce_scatter(world, ns, n, dtype, intra_bits, inter_bits, group_size, stages,
+                            hierarchical):
     nodes = world // ns
     local, remote = ns - 1, world - ns
     two_hop = nodes > 1 and ns > 1 and hierarchical is not False
@@ -70,7 +79,7 @@ def expected_reduce_scatter(world, ns, n, dtype, intra_bits, inter_bits, group_s
 
 def expected_allgather(world, ns, n, dtype, bits, group_size):
     per_peer = n * dtype.itemsize if bits is None else (qchunk(n, bits, group_size) if n else 0)
-    return (ns - 1) * per_peer, (world - ns) * per_peer
+    return (ns - 1) * (CALL + per_peer), (world - ns) * (CALL + per_peer)
 
 
 def _zero():
@@ -78,7 +87,12 @@ def _zero():
 
 
 def _headers(world, ns, n, intra_bits, inter_bits, stages, hierarchical, allgather=False):
-    """Header bytes of one call: one header per chunk sent to a peer."""
+    """Header bytes of one call: the call header and one header per chunk sent to a peer."""
+    return CALL * (world - 1) + _chunk_headers(world, ns, n, intra_bits, inter_bits, stages,
+                                               hierarchical, allgather)
+
+
+def _chunk_headers(world, ns, n, intra_bits, inter_bits, stages, hierarchical, allgather):
     nodes = world // ns
     if allgather:
         return 0 if intra_bits is None or n == 0 else HEADER * (world - 1)
@@ -168,21 +182,22 @@ def test_stats_match_hand_computed_volumes(world, ns):
         # Spot values computed by hand (world 4 = 2 nodes x 2, n = 1000, group 256).
         by = {(kind, repr(case)): st for kind, case, st in reports[0]}
         # Baseline bf16: 2000 bytes to each peer (1 local, 2 remote), twice.
-        assert by["rs", repr(RS_CASES[0])] == {"calls": 2, "intra_bytes": 4000, "inter_bytes": 8000,
-                                               "header_bytes": 0}
+        # Every call also sends its 32-byte call header to each of its 3 peers (96 bytes).
+        assert by["rs", repr(RS_CASES[0])] == {"calls": 2, "intra_bytes": 4064, "inter_bytes": 8128,
+                                               "header_bytes": 192}
         # 2-hop int8/int4: int8 chunk 32 + 1008 + 16 = 1056, two per local peer; int4 chunk
-        # 32 + 512 + 16 = 560 to the one remote peer; 3 headers a call.
-        assert by["rs", repr(RS_CASES[2])] == {"calls": 2, "intra_bytes": 4224, "inter_bytes": 1120,
-                                               "header_bytes": 192}
+        # 32 + 512 + 16 = 560 to the one remote peer; 3 chunk headers a call.
+        assert by["rs", repr(RS_CASES[2])] == {"calls": 2, "intra_bytes": 4288, "inter_bytes": 1248,
+                                               "header_bytes": 384}
         # Flat 1-hop at int4 crosses nodes from every rank: 560 to each of 3 peers.
-        assert by["rs", repr(RS_CASES[5])] == {"calls": 2, "intra_bytes": 1120, "inter_bytes": 2240,
-                                               "header_bytes": 192}
+        assert by["rs", repr(RS_CASES[5])] == {"calls": 2, "intra_bytes": 1184, "inter_bytes": 2368,
+                                               "header_bytes": 384}
         # Baseline all-gather: S = 2000 bytes per peer.
-        assert by["ag", repr(AG_CASES[0])] == {"calls": 1, "intra_bytes": 2000, "inter_bytes": 4000,
-                                               "header_bytes": 0}
+        assert by["ag", repr(AG_CASES[0])] == {"calls": 1, "intra_bytes": 2032, "inter_bytes": 4064,
+                                               "header_bytes": 96}
         # hpZ: the all-gather inside the node sends nothing across nodes.
-        assert by["ag", repr(AG_CASES[4])] == {"calls": 1, "intra_bytes": 1056, "inter_bytes": 0,
-                                               "header_bytes": 32}
+        assert by["ag", repr(AG_CASES[4])] == {"calls": 1, "intra_bytes": 1088, "inter_bytes": 0,
+                                               "header_bytes": 64}
 
 
 def _ratio_worker(rank, world, ns, n):
@@ -206,10 +221,10 @@ def test_cross_node_volume_ratio(world, ns):
     assert gs == 256, "the hand-computed numbers below assume the default group size 256"
     nodes = world // ns
     res = run_ranks(world, _ratio_worker, ns, n)[0]
-    base = res["baseline"]["inter_bytes"]
-    # Payload only: each chunk's 32-byte header is accounted for apart (header_bytes).
-    two = res["two_hop"]["inter_bytes"] - (nodes - 1) * HEADER
-    flat4 = res["flat_int4"]["inter_bytes"] - (world - ns) * HEADER
+    # Payload only: the call header and each chunk's header are accounted for apart.
+    base = res["baseline"]["inter_bytes"] - (world - ns) * CALL
+    two = res["two_hop"]["inter_bytes"] - (nodes - 1) * HEADER - (world - ns) * CALL
+    flat4 = res["flat_int4"]["inter_bytes"] - (world - ns) * (HEADER + CALL)
     assert base == (world - ns) * n * 2  # bf16 output bytes to each remote peer
     assert two == (nodes - 1) * (n // 2 + 4 * (n // gs))  # one int4 chunk per remote node
     assert flat4 == (world - ns) * (n // 2 + 4 * (n // gs))
@@ -221,5 +236,5 @@ def test_cross_node_volume_ratio(world, ns):
         assert (base, two) == (16384, 2112) and float(ratio) == 0.12890625
     assert Fraction(two, flat4) == Fraction(1, ns)
     # Intra bytes: 2-hop sends nodes int8 chunks to each local peer.
-    assert res["two_hop"]["intra_bytes"] == (ns - 1) * nodes * (HEADER + n + 4 * (n // gs))
-    assert res["baseline"]["intra_bytes"] == (ns - 1) * n * 2
+    assert res["two_hop"]["intra_bytes"] == (ns - 1) * (CALL + nodes * (HEADER + n + 4 * (n // gs)))
+    assert res["baseline"]["intra_bytes"] == (ns - 1) * (CALL + n * 2)

@@ -26,7 +26,8 @@ struct ReduceScatterPlan {
   int32_t stages = 1;    // requested_stages, reduced to what pays (kMinPipelineStageBytes)
   int64_t n = 0;      // output elements per rank (one partition)
   int64_t slice = 0;  // elements per stage slice (the last may be shorter or empty)
-  int64_t header = 0;  // header bytes at the start of every slot
+  int64_t header = 0;      // header bytes at the start of every slot
+  int64_t call_check = 0;  // workspace bytes of the call check (wire_header.h), first
   WireFormat first;   // the only hop (flat), or the intra-node hop
   WireFormat second;  // the inter-node hop (two_hop only)
 
@@ -46,8 +47,8 @@ struct ReduceScatterPlan {
     return 2 * world * (header + first.chunk_bytes(slice)) +
            (two_hop ? 2 * nodes * (header + second.chunk_bytes(slice)) : 0);
   }
-  int64_t workspace_bytes() const { return stages * stage_bytes(); }
-  int64_t send1(int32_t s) const { return s * stage_bytes(); }
+  int64_t workspace_bytes() const { return call_check + stages * stage_bytes(); }
+  int64_t send1(int32_t s) const { return call_check + s * stage_bytes(); }
   int64_t recv1(int32_t s) const { return send1(s) + world * (header + first.chunk_bytes(slice)); }
   int64_t send2(int32_t s) const { return recv1(s) + world * (header + first.chunk_bytes(slice)); }
   int64_t recv2(int32_t s) const { return send2(s) + nodes * (header + second.chunk_bytes(slice)); }
@@ -56,7 +57,8 @@ struct ReduceScatterPlan {
 // bits: 4 or 8 quantizes that hop, 0 sends raw values of `dtype`. hierarchical: 0 forces
 // the flat 1-hop path over the whole group; 1 or -1 (the default) take the 2-hop path
 // whenever the group has several nodes of several ranks (otherwise there is one hop).
-// headers: every slot starts with a ChunkHeader (host buffers only). min_stage_bytes: the
+// headers: the call is checked across ranks first and every slot starts with a ChunkHeader
+// (host buffers only). min_stage_bytes: the
 // smallest slice (input bytes of one partition) a pipeline stage may have.
 ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t n, DType dtype,
                                       int32_t intra_bits, int32_t inter_bits, int64_t group_size,
@@ -68,10 +70,14 @@ struct AllGatherPlan {
   int32_t world = 1;
   int64_t n = 0;
   int64_t header = 0;
-  WireFormat fmt;  // bits 0: the transport's own all-gather of raw values, no workspace
+  int64_t call_check = 0;  // workspace bytes of the call check (wire_header.h), first
+  WireFormat fmt;  // bits 0: the transport's own all-gather of raw values, no slots
   int64_t chunk() const { return header + fmt.chunk_bytes(n); }
-  int64_t workspace_bytes() const { return fmt.quantized() ? (world + 1) * chunk() : 0; }
-  int64_t send() const { return world * chunk(); }  // recv first (world slots), then send
+  int64_t workspace_bytes() const {
+    return call_check + (fmt.quantized() ? (world + 1) * chunk() : 0);
+  }
+  int64_t recv() const { return call_check; }  // world slots, then the send slot
+  int64_t send() const { return call_check + world * chunk(); }
 };
 
 AllGatherPlan plan_all_gather(int32_t world, int64_t n, DType dtype, int32_t bits,

@@ -3,8 +3,14 @@
 // that disagree on size, code format or call order get an error, never wrong data (a
 // short message or a missing one would otherwise leave stale workspace bytes to decode).
 //
+// Before any of that, every call all-gathers one fixed-size CallHeader over the whole group
+// (check_call): ranks that disagree on what the call is (sizes, code formats, op, stages,
+// call number) all raise the same error, listing every rank's values, before any message
+// whose size depends on those values is sent (gloo aborts the process when a message is
+// longer than the receiver expects).
+//
 // Headers are written and checked by host code, on buffers in host memory (the CPU path);
-// device buffers travel without them (plans for CUDA tensors have header_bytes 0).
+// device buffers travel without them (plans for CUDA tensors have header 0).
 #pragma once
 
 #include <cstdint>
@@ -12,6 +18,7 @@
 #include <sstream>
 #include <string>
 
+#include "qcoll/comm.h"
 #include "qcoll/error.h"
 #include "qcoll/wire.h"
 
@@ -105,6 +112,73 @@ void check_headers(const uint8_t* slots, int64_t stride, int64_t count, ChunkHea
       os << " (the chunk claims to come from member " << got.sender << ")";
     throw MismatchError(os.str());
   }
+}
+
+// What every rank must agree on for one call, all-gathered before any payload.
+struct CallHeader {
+  uint32_t magic = kChunkMagic;
+  uint8_t kind = 0;  // 1 all-gather, 2 reduce-scatter
+  uint8_t dtype = 0;
+  uint8_t first_bits = 0;
+  uint8_t second_bits = 0;
+  uint8_t op = 0;
+  uint8_t two_hop = 0;
+  uint16_t stages = 0;
+  uint32_t group_size = 0;
+  int64_t n = 0;  // elements per rank (all-gather input, reduce-scatter output)
+  uint32_t sequence = 0;
+  int32_t sender = 0;
+};
+static_assert(sizeof(CallHeader) == 32, "call header layout");
+inline constexpr int64_t kCallHeaderBytes = sizeof(CallHeader);
+
+inline std::string describe(const CallHeader& h) {
+  std::ostringstream os;
+  if (h.magic != kChunkMagic) {
+    os << "no qcoll call (magic 0x" << std::hex << h.magic << std::dec << ")";
+    return os.str();
+  }
+  auto bits = [](uint8_t b) { return b ? "int" + std::to_string(b) : std::string("raw"); };
+  os << (h.kind == 1 ? "all-gather" : "reduce-scatter") << " call " << h.sequence << ", "
+     << h.n << " " << dtype_name(static_cast<DType>(h.dtype)) << " elements per rank, ";
+  if (h.kind == 1) {
+    os << bits(h.first_bits);
+  } else {
+    os << (h.two_hop ? "2-hop " : "1-hop ") << bits(h.first_bits);
+    if (h.two_hop) os << " then " << bits(h.second_bits);
+    os << ", op " << (h.op == 1 ? "avg" : "sum") << ", " << h.stages << " stage(s)";
+  }
+  if (h.first_bits || h.second_bits) os << ", group_size " << h.group_size;
+  return os.str();
+}
+
+// All-gather `mine` over `comm` through `area` ((size + 1) * kCallHeaderBytes bytes of
+// workspace) and raise MismatchError, identically on every rank, unless all agree.
+inline void check_call(Communicator& comm, const BufferRef& area, CallHeader mine,
+                       const Device& device, Traffic& traffic) {
+  const int size = comm.size();
+  uint8_t* base = static_cast<uint8_t*>(area.ptr);
+  mine.sender = comm.rank();
+  std::memcpy(base + int64_t{size} * kCallHeaderBytes, &mine, sizeof mine);
+  traffic.header_bytes += kCallHeaderBytes * (size - 1);
+  comm.all_gather(area.at(int64_t{size} * kCallHeaderBytes), area, kCallHeaderBytes, device,
+                  traffic);
+  bool agree = true;
+  for (int r = 0; r < size && agree; ++r) {
+    CallHeader got;
+    std::memcpy(&got, base + int64_t{r} * kCallHeaderBytes, sizeof got);
+    got.sender = mine.sender;
+    agree = std::memcmp(&got, &mine, sizeof got) == 0;
+  }
+  if (agree) return;
+  std::ostringstream os;
+  os << "ranks disagree on the call:";
+  for (int r = 0; r < size; ++r) {
+    CallHeader got;
+    std::memcpy(&got, base + int64_t{r} * kCallHeaderBytes, sizeof got);
+    os << "\n  member " << r << (r == mine.sender ? " (this rank)" : "") << ": " << describe(got);
+  }
+  throw MismatchError(os.str());
 }
 
 }  // namespace qcoll

@@ -12,6 +12,16 @@ void all_gather(const AllGatherPlan& plan, const CollectiveBuffers& b, DType dty
   QCOLL_CHECK(comm.size() == plan.world, "plan for ", plan.world, " ranks, communicator of ",
               comm.size());
   traffic.calls += 1;
+  if (plan.call_check) {
+    CallHeader call;
+    call.kind = 1;
+    call.dtype = static_cast<uint8_t>(dtype);
+    call.first_bits = static_cast<uint8_t>(plan.fmt.bits);
+    call.group_size = plan.fmt.quantized() ? static_cast<uint32_t>(plan.fmt.group_size) : 0;
+    call.sequence = sequence;
+    call.n = plan.n;
+    check_call(comm, b.workspace, call, device, traffic);
+  }
   if (!plan.fmt.quantized()) {  // the baseline: the transport's own all-gather
     comm.all_gather(b.input, b.output, plan.n * static_cast<int64_t>(dtype_size(dtype)), device,
                     traffic);
@@ -20,7 +30,7 @@ void all_gather(const AllGatherPlan& plan, const CollectiveBuffers& b, DType dty
   if (plan.n == 0) return;
   const int64_t slot = plan.chunk();
   const int64_t h = plan.header;
-  const BufferRef recv = b.workspace;
+  const BufferRef recv = b.workspace.at(plan.recv());
   const BufferRef send = b.workspace.at(plan.send());
 
   EncodeArgs enc;

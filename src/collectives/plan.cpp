@@ -40,6 +40,7 @@ ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t 
   p.n = n;
   p.slice = (n + p.stages - 1) / p.stages;
   p.header = headers ? kHeaderBytes : 0;
+  p.call_check = headers ? (world + 1) * kCallHeaderBytes : 0;
   if (p.two_hop) {
     p.first = wire(intra_bits, group_size, dtype);
     p.second = wire(inter_bits, group_size, dtype);
@@ -59,6 +60,7 @@ AllGatherPlan plan_all_gather(int32_t world, int64_t n, DType dtype, int32_t bit
   p.n = n;
   p.fmt = wire(bits, group_size, dtype);
   p.header = headers && p.fmt.quantized() ? kHeaderBytes : 0;
+  p.call_check = headers ? (world + 1) * kCallHeaderBytes : 0;
   return p;
 }
 

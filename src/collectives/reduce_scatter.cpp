@@ -165,6 +165,21 @@ void reduce_scatter(const ReduceScatterPlan& p, const CollectiveBuffers& b, DTyp
   QCOLL_CHECK(world.size() == p.world, "plan for ", p.world, " ranks, communicator of ",
               world.size());
   traffic.calls += 1;
+  if (p.call_check) {
+    CallHeader call;
+    call.kind = 2;
+    call.dtype = static_cast<uint8_t>(dtype);
+    call.first_bits = static_cast<uint8_t>(p.first.bits);
+    call.second_bits = static_cast<uint8_t>(p.two_hop ? p.second.bits : 0);
+    call.op = static_cast<uint8_t>(op);
+    call.two_hop = p.two_hop;
+    call.stages = static_cast<uint16_t>(p.stages);
+    call.group_size = p.first.quantized() || (p.two_hop && p.second.quantized())
+                          ? static_cast<uint32_t>(p.first.group_size) : 0;
+    call.sequence = sequence;
+    call.n = p.n;
+    check_call(world, b.workspace, call, device, traffic);
+  }
   if (!p.two_hop && !p.first.quantized()) {  // the baseline: the transport's reduce-scatter
     world.reduce_scatter(b.input, b.output, p.n, dtype, op, device, traffic);
     return;
