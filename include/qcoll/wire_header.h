@@ -24,10 +24,18 @@
 
 namespace qcoll {
 
-// Raised when a received header disagrees with this rank's call (ValueError in Python).
+// The call check failed: every rank raises it, nothing was exchanged but the call headers,
+// and the group stays consistent (ValueError in Python).
 class MismatchError : public ArgumentError {
  public:
   using ArgumentError::ArgumentError;
+};
+
+// A received chunk is not what this rank's call expects (stale, short or misrouted data).
+// Only the receiving rank knows, so the group is left mid-call (RuntimeError in Python).
+class ChunkError : public Error {
+ public:
+  using Error::Error;
 };
 
 enum class Exchange : uint16_t { kAllGather = 1, kFlat = 2, kIntraHop = 3, kInterHop = 4 };
@@ -110,7 +118,7 @@ void check_headers(const uint8_t* slots, int64_t stride, int64_t count, ChunkHea
        << "expected " << describe(want);
     if (got.magic == kChunkMagic && got.sender != want.sender)
       os << " (the chunk claims to come from member " << got.sender << ")";
-    throw MismatchError(os.str());
+    throw ChunkError(os.str());
   }
 }
 

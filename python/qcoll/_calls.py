@@ -3,8 +3,9 @@
 Every qcoll.Group (with its intra/inter sub-groups: one family) owns one CallQueue. Calls
 run on its thread in issue order, over ProcessGroups that qcoll created for itself, so a
 call never races the caller's own collectives, nor another family's. A call that fails
-(transport error, timeout, a peer that disagrees) leaves the family unusable: later calls
-raise at once instead of pairing with the wrong messages of other ranks."""
+in its transport (a peer died or timed out) leaves the family unusable: later calls raise
+at once instead of pairing with the wrong messages of other ranks. A call whose ranks
+disagree (ValueError, raised on every rank by the call check) leaves it usable."""
 
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ class CallQueue:
                 run()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 error = _named(exc, describe)
-                if describe != "drain":
+                if describe != "drain" and not isinstance(exc, ValueError):
                     self._failure = f"{describe}: {type(exc).__name__}"
                 future.set_exception(error)
             else:
