@@ -239,6 +239,45 @@ def measure(b: Bench, impls: dict, key: str, out, exact, common: dict) -> dict:
     return rows
 
 
+def pipeline_rows(b: Bench, group, cfg: dict, device) -> list:
+    """Where pipelining pays: the default qgZ reduce-scatter of an fp32 gradient with
+    pipeline_stages 1, 2, 4 as requested ("forced": every stage run, whatever its size) and
+    as qcoll runs them ("auto": stages cut below MIN_PIPELINE_STAGE_BYTES dropped)."""
+    import qcoll.collectives as qcc
+
+    rows, world, rank = [], b.world, b.rank
+    for size in cfg.get("pipeline_sizes", []):
+        n = max(1, size // (world * 4))
+        inp = torch.cat([_values((rank, p, size, "pipe"), n, torch.float32, device) for p in range(world)])
+        exact = sum(_values((q, rank, size, "pipe"), n, torch.float32, "cpu").double() for q in range(world)) / world
+        out = torch.empty(n, dtype=torch.float32, device=device)
+
+        def call(stages, min_bytes):
+            def fn():
+                qcc._MIN_STAGE_BYTES = min_bytes
+                try:
+                    qcoll.quantized_reduce_scatter(out, inp, group, pipeline_stages=stages)
+                finally:
+                    qcc._MIN_STAGE_BYTES = _C.MIN_PIPELINE_STAGE_BYTES
+            return fn
+
+        impls = {"stages=1": call(1, _C.MIN_PIPELINE_STAGE_BYTES)}
+        for s in cfg.get("pipeline_stage_counts", [2, 4]):
+            impls[f"stages={s} forced"] = call(s, 0)
+            impls[f"stages={s} auto"] = call(s, _C.MIN_PIPELINE_STAGE_BYTES)
+        new = measure(b, impls, "reduce_scatter", out, exact,
+                      dict(collective="pipeline", bytes=size, numel_per_rank=n, dtype="fp32"))
+        for impl, row in new.items():
+            stages = int(impl.split("=")[1].split()[0])
+            auto = not impl.endswith("forced")
+            row["stages_run"] = _C.plan_reduce_scatter(
+                world, cfg["node_size"], n, 0, 8, 4, qcoll.DEFAULT_GROUP_SIZE, stages, -1, True,
+                _C.MIN_PIPELINE_STAGE_BYTES if auto else 0).stages
+            row["vs_one_stage"] = new["stages=1"]["time_s"] / row["time_s"]
+        rows += new.values()
+    return rows
+
+
 def main() -> None:
     cfg = json.load(open(sys.argv[1]))
     rank = int(sys.argv[2])
@@ -305,6 +344,7 @@ def main() -> None:
         done += 1
         if rank == 0:
             print(f"PROGRESS {done} {total}", flush=True)
+    rows += pipeline_rows(b, group, cfg, device)
     if rank == 0:
         with open(cfg["out"], "w") as f:
             json.dump({"rows": rows, "backend": dist.get_backend(),

@@ -75,6 +75,7 @@ def _debug_check(group: Group, meta: tuple) -> None:
     (instead of hanging or corrupting data inside the transport)."""
     if os.environ.get("QCOLL_DEBUG", "0") in ("", "0") or group.size == 1:
         return
+    group._calls.drain()  # group.pg may be the worker's own (a sub-group's): never both at once
     metas = [None] * group.size
     dist.all_gather_object(metas, meta, group=group.pg)
     if any(m != metas[0] for m in metas):
@@ -97,6 +98,8 @@ def _run(what: str, group: Group, input: torch.Tensor, output: torch.Tensor, wor
     if not output.is_inference():
         torch.autograd.graph.increment_version(output)
     device = input.device
+    if device.type == "cuda":
+        group._calls.drain()  # CPU calls issued earlier on this family go first
     comm = group.communicator(device)
     kind, index, stream = device_args(input, "input")
     sequence = group._next_sequence()
@@ -113,7 +116,6 @@ def _run(what: str, group: Group, input: torch.Tensor, output: torch.Tensor, wor
 
     describe = _describe(what, group, sequence)
     if device.type == "cuda":
-        group._calls.drain()  # CPU calls issued earlier on this family go first
         workspace = call()
         if not async_op:
             return None
