@@ -7,8 +7,11 @@ launcher's environment (LOCAL_WORLD_SIZE), not from --node-size. Needs root and 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
@@ -45,26 +48,46 @@ def cluster():
 
 
 def _torchrun(cluster, script_args, run_id, timeout=240):
-    """The same torchrun command on both nodes; returns [(returncode, output)] per node."""
+    """The same torchrun command on both nodes; returns [(returncode, output)] per node.
+    Each launcher runs in a session of its own, killed whole (workers too) if it hangs."""
     env = dict(os.environ, GLOO_SOCKET_IFNAME=_netns.IFACE, OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1")
     env.pop("LOCAL_WORLD_SIZE", None)
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.address(0)}:{PORT}",
-            "--rdzv-id", run_id, "--max-restarts", "0", "--monitor-interval", "1"] + script_args
-    procs = [subprocess.Popen(cluster.exec_prefix(node) + argv, cwd=ROOT, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for node in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outs.append((p.returncode, out))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            "--rdzv-id", run_id, "--max-restarts", "0", "--monitor-interval", "1"]
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [os.path.join(tmp, f"node{node}.log") for node in range(2)]
+        procs = []
+        for node in range(2):
+            with open(logs[node], "w") as log:
+                # Both namespaces share the machine's hostname, so torchrun cannot tell
+                # which node owns the endpoint address, nor reach a node by its name: node 0
+                # is told it hosts the rendezvous store, and each node its own address.
+                procs.append(subprocess.Popen(
+                    cluster.exec_prefix(node) + argv + ["--rdzv-conf", f"is_host={int(node == 0)}",
+                                                        "--local-addr", cluster.address(node)]
+                    + script_args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True))
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            hung = [p.poll() is None for p in procs]
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        outs = []
+        for p, log in zip(procs, logs):
+            with open(log, errors="replace") as f:
+                outs.append((p.returncode, f.read()))
+    if any(hung):
+        raise AssertionError(f"torchrun did not finish within {timeout} s:\n"
+                             + "\n---\n".join(out[-3000:] for _, out in outs))
     return outs
 
 

@@ -25,7 +25,12 @@ Pipeline rows (collective "pipeline", fp32 input of the given size): the default
 reduce-scatter with pipeline_stages 1, 2 and 4, "forced" (every requested stage run) and
 "auto" (what qcoll runs: stages whose slice would be below MIN_PIPELINE_STAGE_BYTES are
 dropped, include/qcoll/plan.h); "speedup" there is over pipeline_stages=1. They are what
-that threshold was chosen from."""
+that threshold was chosen from.
+
+Overlap rows (collective "overlap", bf16): a 64 MB qwZ all-gather issued with async_op=True
+beside a CPU matmul in the caller, against the two one after the other (and the matmul
+alone); "speedup" there is over the sequential pair; bit_identical_to_sync says the async
+result equals a synchronous call's."""
 
 from __future__ import annotations
 
@@ -49,7 +54,8 @@ def config(sizes, quick: bool, device: str = "cpu", pipeline_only: bool = False,
     return dict(world=WORLD, node_size=NODE_SIZE, sizes=[] if pipeline_only else list(sizes),
                 dtype=DTYPE, device=device, warmup=2 if quick else 3, repeats=5 if quick else 11,
                 pipeline_stages=None, phases=True, attempts=1 if quick else 3,
-                pipeline_sizes=pipeline if device == "cpu" else [], **extra)
+                pipeline_sizes=pipeline if device == "cpu" else [],
+                overlap_sizes=([16 << 20] if quick else [64 << 20]) if device == "cpu" else [], **extra)
 
 
 def finish(rows: list, keys=("bytes",)) -> list:
@@ -57,8 +63,8 @@ def finish(rows: list, keys=("bytes",)) -> list:
     row gets the byte counts of the baseline through qcoll (same collective, same rule)."""
     index = {(r["collective"], r["impl"], *[r.get(k) for k in keys]): r for r in rows}
     for r in rows:
-        if r["collective"] == "pipeline":
-            r["speedup"] = r["vs_one_stage"]
+        if r["collective"] in ("pipeline", "overlap"):
+            r["speedup"] = r.get("vs_one_stage", r.get("vs_sequential"))
             continue
         key = (r["collective"], *[r.get(k) for k in keys])
         torch_row = index.get((key[0], "torch", *key[1:]))
