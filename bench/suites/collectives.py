@@ -49,13 +49,16 @@ GPU_ENV = {  # several NCCL ranks on one GPU: ../shared/gpu/README.md
 PIPELINE_SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
-def config(sizes, quick: bool, device: str = "cpu", pipeline_only: bool = False, **extra) -> dict:
-    pipeline = [1 << 20, 16 << 20] if quick else PIPELINE_SIZES
-    return dict(world=WORLD, node_size=NODE_SIZE, sizes=[] if pipeline_only else list(sizes),
+def config(sizes, quick: bool, device: str = "cpu", pipeline_only: bool = False,
+           overlap_only: bool = False, **extra) -> dict:
+    pipeline = [] if overlap_only else [1 << 20, 16 << 20] if quick else PIPELINE_SIZES
+    overlap = [] if pipeline_only else [16 << 20] if quick else [64 << 20]
+    only = pipeline_only or overlap_only
+    return dict(world=WORLD, node_size=NODE_SIZE, sizes=[] if only else list(sizes),
                 dtype=DTYPE, device=device, warmup=2 if quick else 3, repeats=5 if quick else 11,
                 pipeline_stages=None, phases=True, attempts=1 if quick else 3,
                 pipeline_sizes=pipeline if device == "cpu" else [],
-                overlap_sizes=([16 << 20] if quick else [64 << 20]) if device == "cpu" else [], **extra)
+                overlap_sizes=overlap if device == "cpu" else [], **extra)
 
 
 def finish(rows: list, keys=("bytes",)) -> list:
@@ -78,14 +81,14 @@ def finish(rows: list, keys=("bytes",)) -> list:
     return rows
 
 
-def run(quick: bool, progress, sizes=None, device=None, pipeline_only=False) -> dict:
+def run(quick: bool, progress, sizes=None, device=None, pipeline_only=False, overlap_only=False) -> dict:
     device = device or "cpu"
     if device == "auto":
         device = "cpu"
     sizes = sizes or ([256 << 10, 4 << 20, 32 << 20] if quick else size_ladder(64 << 10, 64 << 20, False))
     task = progress.add_task(f"collectives ({device})", total=len(sizes))
     env = (lambda r: dict(GPU_ENV, NCCL_HOSTID=f"qhost{r}")) if device == "cuda" else None
-    out = _ranks.launch(config(sizes, quick, device, pipeline_only), env=env, progress=progress,
+    out = _ranks.launch(config(sizes, quick, device, pipeline_only, overlap_only), env=env, progress=progress,
                         task=task, timeout=900)
     return {"world": WORLD, "node_size": NODE_SIZE, "dtype": DTYPE, "device": device,
             "backend": out["backend"], "torch_calls": out["torch_calls"], "rows": finish(out["rows"])}
