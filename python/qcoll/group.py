@@ -75,7 +75,8 @@ class Group:
         self._closed = False
         self._created = next(_creation_order)
         if _role == "group":  # a dropped Group stops its thread (sub-groups share it)
-            weakref.finalize(self, self._calls.close)
+            # Not at interpreter exit: a call blocked on a dead peer must not hold exit up.
+            weakref.finalize(self, self._calls.close).atexit = False
             _live_groups.add(self)
 
     def _next_sequence(self) -> int:
@@ -278,8 +279,9 @@ _default_groups = {}
 def destroy() -> None:
     """Close every qcoll.Group of this process (see Group.close), in creation order, and
     forget the Groups made for plain ProcessGroups. Collective, like Group.close."""
+    groups = sorted(_live_groups, key=lambda g: g._created)  # before the cache lets any go
     _default_groups.clear()
-    for g in sorted(_live_groups, key=lambda g: g._created):
+    for g in groups:
         g.close()
 
 
