@@ -48,8 +48,8 @@ SUITES = {
 OPTIONS = {  # suite -> the options of this command line it understands
     "kernels": {"sizes", "device"},
     "group_size": set(),
-    "collectives": {"sizes", "device"},
-    "cluster": {"sizes"},
+    "collectives": {"sizes", "device", "pipeline_only", "overlap_only"},
+    "cluster": {"sizes", "pipeline_only", "overlap_only"},
     "zero": {"link", "tiny"},
 }
 
@@ -88,13 +88,20 @@ def main() -> None:
     parser.add_argument("--link", type=float, metavar="GBIT", default=None,
                         help="zero: run on an emulated cluster (network namespaces, tc) with links "
                              "throttled to GBIT Gbit/s; needs root")
+    parser.add_argument("--pipeline-only", action="store_true", default=None,
+                        help="collectives, cluster: only the pipeline_stages rows (where "
+                             "pipelining the 2-hop reduce-scatter pays)")
+    parser.add_argument("--overlap-only", action="store_true", default=None,
+                        help="collectives, cluster: only the async_op overlap rows (an all-gather beside "
+                             "a matmul in the caller)")
     # Hidden: the zero suite on a tiny model, 2 configurations, 3 steps (the smoke test).
     parser.add_argument("--tiny", action="store_true", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.link is not None and args.link == int(args.link):
         args.link = int(args.link)
 
-    options = {k: getattr(args, k) for k in ("sizes", "device", "link", "tiny") if getattr(args, k) is not None}
+    options = {k: getattr(args, k) for k in ("sizes", "device", "link", "tiny", "pipeline_only", "overlap_only")
+               if getattr(args, k) is not None}
     unknown = set(options) - OPTIONS[args.suite]
     if unknown:
         parser.error(f"suite {args.suite!r} does not take --{', --'.join(sorted(unknown))}")

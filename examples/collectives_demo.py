@@ -4,6 +4,12 @@ torch.distributed's own collective: the error against the exact result, the byte
 rank sent inside its node and across nodes, and the time.
 
     python examples/collectives_demo.py [--ranks 4] [--node-size 2] [--numel 4000000]
+
+Under a launcher (torchrun sets RANK, WORLD_SIZE and LOCAL_WORLD_SIZE) each process is one
+rank and the node layout is the launcher's: on each of two machines,
+
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
+             --rdzv-endpoint HOST0:29400 examples/collectives_demo.py
 """
 
 import argparse
@@ -36,9 +42,17 @@ def measure(name, fn, exact, out, stats_key):
     return name, err, s["intra_bytes"], s["inter_bytes"], timed(fn)
 
 
+def launched() -> bool:
+    """True when a launcher (torchrun) started this process as one rank."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def worker(rank, world, node_size, numel, store):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    if store is None:  # torchrun: rendezvous and node layout (LOCAL_WORLD_SIZE) from the launcher
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     group = qcoll.new_group(node_size=node_size, backend="torch")
     torch.manual_seed(rank)
     n = numel // world
@@ -65,7 +79,7 @@ def worker(rank, world, node_size, numel, store):
                 lambda: qcoll.quantized_allgather(full, shard, group, bits=8), exact_ag, full, "allgather"),
     ]
     if rank == 0:
-        print(f"{world} ranks as {world // node_size} nodes x {node_size}; {n} elements per rank "
+        print(f"{world} ranks as {group.num_nodes} nodes x {group.node_size}; {n} elements per rank "
               f"(bf16); bytes sent by rank 0 per call\n")
         print(f"{'collective':38}{'rel. error':>11}{'intra MB':>10}{'inter MB':>10}{'ms':>9}")
         for name, err, intra, inter, secs in rows:
@@ -77,10 +91,18 @@ def worker(rank, world, node_size, numel, store):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--node-size", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=None, help="local ranks to spawn (default 4)")
+    parser.add_argument("--node-size", type=int, default=None, help="ranks per emulated node (default 2)")
     parser.add_argument("--numel", type=int, default=4_000_000)
     args = parser.parse_args()
+    if launched():
+        if args.ranks is not None or args.node_size is not None:
+            parser.error("under torchrun the launcher sets the ranks and the node layout: "
+                         "drop --ranks/--node-size")
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, args.numel, None)
+        return
+    args.ranks = 4 if args.ranks is None else args.ranks
+    args.node_size = 2 if args.node_size is None else args.node_size
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(args.ranks, args.node_size, args.numel, os.path.join(tmp, "store")),
                  nprocs=args.ranks)

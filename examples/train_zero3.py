@@ -19,6 +19,13 @@ ProcessGroup instead of qcoll's own NCCL communicators.
 
 The data is a fixed random second-order Markov language (examples/gpt.py): the loss falls
 from ln(vocab) towards the chain's entropy rate, printed at the start.
+
+Under a launcher (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE) each
+process is one rank and the node layout is the launcher's (no --ranks / --node-size): on
+each of two machines,
+
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \
+             --rdzv-endpoint HOST0:29400 examples/train_zero3.py --steps 50
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ranks", type=int, default=None, help="processes (default: 4 on CPU, the GPU count on GPUs)")
-    p.add_argument("--node-size", type=int, default=2, help="ranks per emulated node")
+    p.add_argument("--node-size", type=int, default=None, help="ranks per emulated node (default 2)")
     p.add_argument("--steps", type=int, default=200)
     for name, what in (("qwz", "int8 forward weight all-gather"), ("hpz", "in-node backward all-gather"),
                        ("qgz", "int8/int4 2-hop gradient reduce-scatter")):
@@ -82,6 +89,14 @@ def parse_args(argv=None):
         p.error("--backend nccl needs a GPU")
     if args.qcoll_backend == "nccl" and args.backend != "nccl":
         p.error("--qcoll-backend nccl needs GPUs (--backend nccl)")
+    args.launched = launched()
+    if args.launched:
+        if args.ranks is not None or args.node_size is not None:
+            p.error("under torchrun the launcher sets the ranks and the node layout: drop --ranks/--node-size")
+        args.ranks = int(os.environ["WORLD_SIZE"])
+        args.node_size = int(os.environ.get("LOCAL_WORLD_SIZE", args.ranks))
+    if args.node_size is None:
+        args.node_size = 2
     if args.ranks is None:
         args.ranks = gpus if args.backend == "nccl" and gpus > 1 else 4
     if args.ranks < 1 or args.node_size < 1 or args.ranks % args.node_size:
@@ -98,18 +113,25 @@ def parse_args(argv=None):
 
 
 # ---- one rank ----------------------------------------------------------------------------
+def launched() -> bool:
+    """True when a launcher (torchrun) started this process as one rank."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def setup(rank, args, store):
     if args.backend == "nccl":
         gpus = torch.cuda.device_count()
         if args.ranks > gpus:  # several ranks per GPU: one NCCL "host" per process
             os.environ.update(NCCL_HOSTID=f"qhost{rank}", NCCL_NET="Socket", NCCL_SOCKET_IFNAME="lo",
                               NCCL_MNNVL_ENABLE="0", NCCL_PAT_ENABLE="0")
-        device = torch.device("cuda", rank % gpus)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % gpus)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
-    dist.init_process_group(args.backend, init_method=f"file://{store}", rank=rank, world_size=args.ranks,
+    rendezvous = ({} if store is None  # torchrun: the launcher's rendezvous (env://)
+                  else dict(init_method=f"file://{store}", rank=rank, world_size=args.ranks))
+    dist.init_process_group(args.backend, **rendezvous,
                             **({"device_id": device} if device.type == "cuda" else {}))
     return device
 
@@ -160,7 +182,7 @@ def train(rank, args, device, group, language, cfg, name, techniques, progress=N
 
 def worker(rank, args, store):
     device = setup(rank, args, store)
-    group = qcoll.new_group(node_size=args.node_size,
+    group = qcoll.new_group(node_size=None if args.launched else args.node_size,  # launcher: LOCAL_WORLD_SIZE
                             backend=None if args.qcoll_backend == "auto" else args.qcoll_backend)
     language = gpt.MarkovLanguage(args.vocab, seed=args.seed)
     cfg = gpt.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
@@ -235,6 +257,9 @@ def report(console, results, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.launched:
+        worker(int(os.environ["RANK"]), args, None)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.ranks, join=True)
 

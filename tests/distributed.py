@@ -19,7 +19,7 @@ _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "qcoll", "pytest"])
 
 
-def _worker(fn, rank, world, store_path, env, args, results):
+def _worker(fn, rank, world, store_path, env, args, results, teardown=True):
     import torch
     import torch.distributed as dist
 
@@ -28,8 +28,9 @@ def _worker(fn, rank, world, store_path, env, args, results):
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
         out = fn(rank, world, *args)
-        dist.barrier()
-        dist.destroy_process_group()
+        if teardown:  # not where a rank died on purpose: a barrier would wait for it
+            dist.barrier()
+            dist.destroy_process_group()
         # Plain pickle copies tensor data: the queue's own pickler would pass tensors as
         # shared-memory handles, which die with this process.
         results.put((rank, "ok", pickle.dumps(out)))
@@ -37,28 +38,31 @@ def _worker(fn, rank, world, store_path, env, args, results):
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(world: int, fn, *args, env=None, timeout: float = 120.0) -> list:
+def run_ranks(world: int, fn, *args, env=None, timeout: float = 120.0, dead=()) -> list:
     """fn(rank, world, *args) on `world` gloo ranks; returns the per-rank results.
 
     env: optional {rank: {VAR: value}} set in that rank before init. A failing rank's
     traceback is raised as AssertionError in the test; a hang past `timeout` fails too.
+    dead: ranks that exit on purpose (os._exit) without a result (None in the list); the
+    others then skip the final barrier.
     """
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         results = _CTX.Queue()
-        procs = [_CTX.Process(target=_worker, args=(fn, r, world, store, env or {}, args, results))
+        procs = [_CTX.Process(target=_worker, args=(fn, r, world, store, env or {}, args, results,
+                                                     not dead))
                  for r in range(world)]
         for p in procs:
             p.start()
         collected = {}
         try:
-            for _ in range(world):
+            for _ in range(world - len(dead)):
                 rank, status, payload = results.get(timeout=timeout)
                 if status == "error":
                     raise AssertionError(f"rank {rank} failed:\n{payload}")
                 collected[rank] = pickle.loads(payload)
         except queue.Empty:
-            missing = sorted(set(range(world)) - set(collected))
+            missing = sorted(set(range(world)) - set(collected) - set(dead))
             raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang?)") from None
         finally:
             deadline = time.monotonic() + 10  # for all of them, not 10 s each
@@ -67,4 +71,4 @@ def run_ranks(world: int, fn, *args, env=None, timeout: float = 120.0) -> list:
                 if p.is_alive():
                     p.kill()
                     p.join()
-        return [collected[r] for r in range(world)]
+        return [collected.get(r) for r in range(world)]

@@ -132,11 +132,14 @@ def expected_values(label, begin: int, length: int, n: int) -> list:
     return [float(sum(encode(t, p, begin + i, n) for t in srcs)) for i in range(length)]
 
 
+HEADER = 32  # every slot starts with a wire header (include/qcoll/wire_header.h)
+
+
 def decode_chunks(raw: torch.Tensor, count: int, length: int) -> list:
-    """count raw fp32 chunks of `length` values (each padded to 16 bytes) -> value lists."""
-    stride = -(-length * 4 // ALIGN) * ALIGN
+    """count slots of a header then `length` raw fp32 values (padded to 16 bytes) -> value lists."""
+    stride = HEADER + -(-length * 4 // ALIGN) * ALIGN
     assert raw.numel() == count * stride, f"{raw.numel()} bytes for {count} chunks of {stride}"
-    return [raw[k * stride : k * stride + 4 * length].view(torch.float32).tolist()
+    return [raw[k * stride + HEADER : k * stride + HEADER + 4 * length].view(torch.float32).tolist()
             for k in range(count)]
 
 
@@ -153,6 +156,7 @@ def _recording_worker(rank, world, node_size, n, stages, hierarchical):
         log.append((self.pg, self.size, nbytes, send, recv))
 
     _torch_transport.ProcessGroupTransport.all_to_all = recording
+    qcoll.collectives._MIN_STAGE_BYTES = 0  # every requested stage, as the model moves them
     try:
         g = qcoll.new_group(node_size=node_size)
         x = torch.tensor([encode(rank, p, i, n) for p in range(world) for i in range(n)])
@@ -163,8 +167,8 @@ def _recording_worker(rank, world, node_size, n, stages, hierarchical):
         _torch_transport.ProcessGroupTransport.all_to_all = original
     # The hops of different stages may overlap (one thread per hop): split the log by the
     # process group each all-to-all ran over; each hop's own stages stay in order.
-    hop_of = {g.pg: "1"} if g.num_nodes == 1 or g.node_size == 1 or hierarchical is False else {
-        g.intra.pg: "1", g.inter.pg: "2"}
+    hop_of = {g._owned_pg: "1"} if g.num_nodes == 1 or g.node_size == 1 or hierarchical is False else {
+        g.intra._owned_pg: "1", g.inter._owned_pg: "2"}
     hops = {}
     for pg, size, nbytes, send, recv in log:
         assert pg in hop_of, "an all-to-all over an unexpected process group"

@@ -2,8 +2,11 @@
 
 The wire layout (include/qcoll/wire.h): a quantized chunk of L elements is its codes
 (ceil(L * bits / 8) bytes) padded to 16, then one fp32 scale per group padded to 16; a raw
-chunk is L * itemsize bytes padded to 16. Peers on this rank's node count as intra, the
-others as inter. Per call:
+chunk is L * itemsize bytes padded to 16. On CPU every chunk that qcoll's own exchanges
+move (not the transport's own all-gather / reduce-scatter) starts with a 32-byte header
+(include/qcoll/wire_header.h), and every call first all-gathers a 32-byte call header
+(the cross-rank check), both counted in intra/inter bytes and again in header_bytes.
+Peers on this rank's node count as intra, the others as inter. Per call:
   baseline all-gather of S bytes per rank:  S per peer
   baseline reduce-scatter (n outputs):      n * itemsize per peer
   quantized all-gather:                     one chunk of n per peer
@@ -29,12 +32,16 @@ def ru(x: int) -> int:
     return -(-x // 16) * 16
 
 
+HEADER = 32  # per chunk
+CALL = 32  # per call and peer
+
+
 def qchunk(length: int, bits: int, group_size: int = 256) -> int:
-    return ru(-(-length * bits // 8)) + ru(4 * -(-length // group_size))
+    return HEADER + ru(-(-length * bits // 8)) + ru(4 * -(-length // group_size))
 
 
 def rawchunk(length: int, dtype: torch.dtype) -> int:
-    return ru(length * dtype.itemsize)
+    return HEADER + ru(length * dtype.itemsize)
 
 
 def chunk(length: int, bits, dtype: torch.dtype, group_size: int = 256) -> int:
@@ -49,6 +56,13 @@ def slices(n: int, stages: int) -> list:
 def expected_reduce_scatter(world, ns, n, dtype, intra_bits, inter_bits, group_size, stages,
                             hierarchical):
     """(intra_bytes, inter_bytes) of one reduce-scatter, from the contract."""
+    intra, inter = _payload_reduce_scatter(world, ns, n, dtype, intra_bits, inter_bits, group_size,
+                                           stages, hierarchical)
+    return intra + CALL * (ns - 1), inter + CALL * (world - ns)
+
+
+def _payload_reduce_scatter(world, ns, n, dtype, intra_bits, inter_bits, group_size, stages,
+                            hierarchical):
     nodes = world // ns
     local, remote = ns - 1, world - ns
     two_hop = nodes > 1 and ns > 1 and hierarchical is not False
@@ -64,15 +78,34 @@ def expected_reduce_scatter(world, ns, n, dtype, intra_bits, inter_bits, group_s
 
 
 def expected_allgather(world, ns, n, dtype, bits, group_size):
-    per_peer = n * dtype.itemsize if bits is None else qchunk(n, bits, group_size)
-    return (ns - 1) * per_peer, (world - ns) * per_peer
+    per_peer = n * dtype.itemsize if bits is None else (qchunk(n, bits, group_size) if n else 0)
+    return (ns - 1) * (CALL + per_peer), (world - ns) * (CALL + per_peer)
 
 
 def _zero():
-    return {"calls": 0, "intra_bytes": 0, "inter_bytes": 0}
+    return {"calls": 0, "intra_bytes": 0, "inter_bytes": 0, "header_bytes": 0}
+
+
+def _headers(world, ns, n, intra_bits, inter_bits, stages, hierarchical, allgather=False):
+    """Header bytes of one call: the call header and one header per chunk sent to a peer."""
+    return CALL * (world - 1) + _chunk_headers(world, ns, n, intra_bits, inter_bits, stages,
+                                               hierarchical, allgather)
+
+
+def _chunk_headers(world, ns, n, intra_bits, inter_bits, stages, hierarchical, allgather):
+    nodes = world // ns
+    if allgather:
+        return 0 if intra_bits is None or n == 0 else HEADER * (world - 1)
+    two_hop = nodes > 1 and ns > 1 and hierarchical is not False
+    count = len(slices(n, stages))
+    if two_hop:
+        return HEADER * count * (nodes * (ns - 1) + nodes - 1)
+    bits = inter_bits if nodes > 1 else intra_bits
+    return 0 if bits is None else HEADER * count * (world - 1)
 
 
 def _stats_worker(rank, world, ns, rs_cases, ag_cases):
+    qcoll.collectives._MIN_STAGE_BYTES = 0  # every requested stage, as counted below
     g = qcoll.new_group(node_size=ns)
     report = []
     for case in rs_cases:
@@ -87,8 +120,11 @@ def _stats_worker(rank, world, ns, rs_cases, ag_cases):
         intra, inter = expected_reduce_scatter(
             world, ns, n, dtype, kw.get("intra_bits", 8), kw.get("inter_bits", 4),
             kw.get("group_size") or qcoll.DEFAULT_GROUP_SIZE, kw.get("pipeline_stages") or 1, kw.get("hierarchical"))
+        headers = _headers(world, ns, n, kw.get("intra_bits", 8), kw.get("inter_bits", 4),
+                           kw.get("pipeline_stages") or 1, kw.get("hierarchical"))
         want = {"allgather": _zero(),
-                "reduce_scatter": {"calls": 2, "intra_bytes": 2 * intra, "inter_bytes": 2 * inter}}
+                "reduce_scatter": {"calls": 2, "intra_bytes": 2 * intra, "inter_bytes": 2 * inter,
+                                   "header_bytes": 2 * headers}}
         got = qcoll.stats()
         assert got == want, f"reduce_scatter {case}: stats {got}, expected {want}"
         report.append(("rs", case, got["reduce_scatter"]))
@@ -102,7 +138,9 @@ def _stats_worker(rank, world, ns, rs_cases, ag_cases):
         qcoll.quantized_allgather(out, torch.ones(n, dtype=dtype), grp, bits=bits, group_size=gs)
         gw, gns = {None: (world, ns), "intra": (ns, ns), "inter": (world // ns, 1)}[sub]
         intra, inter = expected_allgather(gw, gns, n, dtype, bits, gs or qcoll.DEFAULT_GROUP_SIZE)
-        want = {"allgather": {"calls": 1, "intra_bytes": intra, "inter_bytes": inter},
+        headers = _headers(gw, gns, n, bits, bits, 1, None, allgather=True)
+        want = {"allgather": {"calls": 1, "intra_bytes": intra, "inter_bytes": inter,
+                              "header_bytes": headers},
                 "reduce_scatter": _zero()}
         got = qcoll.stats()
         assert got == want, f"allgather {case}: stats {got}, expected {want}"
@@ -144,16 +182,22 @@ def test_stats_match_hand_computed_volumes(world, ns):
         # Spot values computed by hand (world 4 = 2 nodes x 2, n = 1000, group 256).
         by = {(kind, repr(case)): st for kind, case, st in reports[0]}
         # Baseline bf16: 2000 bytes to each peer (1 local, 2 remote), twice.
-        assert by["rs", repr(RS_CASES[0])] == {"calls": 2, "intra_bytes": 4000, "inter_bytes": 8000}
-        # 2-hop int8/int4: int8 chunk 1008 + 16 = 1024, two per local peer; int4 chunk
-        # 512 + 16 = 528 to the one remote peer.
-        assert by["rs", repr(RS_CASES[2])] == {"calls": 2, "intra_bytes": 4096, "inter_bytes": 1056}
-        # Flat 1-hop at int4 crosses nodes from every rank: 528 to each of 3 peers.
-        assert by["rs", repr(RS_CASES[5])] == {"calls": 2, "intra_bytes": 1056, "inter_bytes": 2112}
+        # Every call also sends its 32-byte call header to each of its 3 peers (96 bytes).
+        assert by["rs", repr(RS_CASES[0])] == {"calls": 2, "intra_bytes": 4064, "inter_bytes": 8128,
+                                               "header_bytes": 192}
+        # 2-hop int8/int4: int8 chunk 32 + 1008 + 16 = 1056, two per local peer; int4 chunk
+        # 32 + 512 + 16 = 560 to the one remote peer; 3 chunk headers a call.
+        assert by["rs", repr(RS_CASES[2])] == {"calls": 2, "intra_bytes": 4288, "inter_bytes": 1248,
+                                               "header_bytes": 384}
+        # Flat 1-hop at int4 crosses nodes from every rank: 560 to each of 3 peers.
+        assert by["rs", repr(RS_CASES[5])] == {"calls": 2, "intra_bytes": 1184, "inter_bytes": 2368,
+                                               "header_bytes": 384}
         # Baseline all-gather: S = 2000 bytes per peer.
-        assert by["ag", repr(AG_CASES[0])] == {"calls": 1, "intra_bytes": 2000, "inter_bytes": 4000}
+        assert by["ag", repr(AG_CASES[0])] == {"calls": 1, "intra_bytes": 2032, "inter_bytes": 4064,
+                                               "header_bytes": 96}
         # hpZ: the all-gather inside the node sends nothing across nodes.
-        assert by["ag", repr(AG_CASES[4])] == {"calls": 1, "intra_bytes": 1024, "inter_bytes": 0}
+        assert by["ag", repr(AG_CASES[4])] == {"calls": 1, "intra_bytes": 1088, "inter_bytes": 0,
+                                               "header_bytes": 64}
 
 
 def _ratio_worker(rank, world, ns, n):
@@ -177,7 +221,10 @@ def test_cross_node_volume_ratio(world, ns):
     assert gs == 256, "the hand-computed numbers below assume the default group size 256"
     nodes = world // ns
     res = run_ranks(world, _ratio_worker, ns, n)[0]
-    base, two, flat4 = res["baseline"]["inter_bytes"], res["two_hop"]["inter_bytes"], res["flat_int4"]["inter_bytes"]
+    # Payload only: the call header and each chunk's header are accounted for apart.
+    base = res["baseline"]["inter_bytes"] - (world - ns) * CALL
+    two = res["two_hop"]["inter_bytes"] - (nodes - 1) * HEADER - (world - ns) * CALL
+    flat4 = res["flat_int4"]["inter_bytes"] - (world - ns) * (HEADER + CALL)
     assert base == (world - ns) * n * 2  # bf16 output bytes to each remote peer
     assert two == (nodes - 1) * (n // 2 + 4 * (n // gs))  # one int4 chunk per remote node
     assert flat4 == (world - ns) * (n // 2 + 4 * (n // gs))
@@ -189,5 +236,5 @@ def test_cross_node_volume_ratio(world, ns):
         assert (base, two) == (16384, 2112) and float(ratio) == 0.12890625
     assert Fraction(two, flat4) == Fraction(1, ns)
     # Intra bytes: 2-hop sends nodes int8 chunks to each local peer.
-    assert res["two_hop"]["intra_bytes"] == (ns - 1) * nodes * (n + 4 * (n // gs))
-    assert res["baseline"]["intra_bytes"] == (ns - 1) * n * 2
+    assert res["two_hop"]["intra_bytes"] == (ns - 1) * (CALL + nodes * (HEADER + n + 4 * (n // gs)))
+    assert res["baseline"]["intra_bytes"] == (ns - 1) * (CALL + n * 2)

@@ -33,7 +33,6 @@ import sys
 import time
 
 PREFIX = "qcoll-bench-"
-BRIDGE = PREFIX + "b"
 IFACE = "qcb-eth"  # the node's interface, inside its namespace
 SUBNET = "10.77.0"
 
@@ -58,23 +57,23 @@ def available() -> str:
     return ""
 
 
-def leftovers() -> tuple:
+def leftovers(prefix: str = PREFIX) -> tuple:
     """(namespaces, links) with the prefix, in the root namespace."""
     out = _ip("netns", "list", check=False).stdout.split("\n")
-    spaces = [line.split()[0] for line in out if line.startswith(PREFIX)]
+    spaces = [line.split()[0] for line in out if line.startswith(prefix)]
     links = []
     for line in _ip("-o", "link", "show", check=False).stdout.split("\n"):
         parts = line.split(":")
         if len(parts) > 1:
             name = parts[1].strip().split("@")[0]
-            if name.startswith(PREFIX):
+            if name.startswith(prefix):
                 links.append(name)
     return spaces, links
 
 
-def cleanup() -> list:
+def cleanup(prefix: str = PREFIX) -> list:
     """Remove every namespace and link with the prefix; returns what was removed."""
-    spaces, links = leftovers()
+    spaces, links = leftovers(prefix)
     for ns in spaces:
         pids = _ip("netns", "pids", ns, check=False).stdout.split()
         for pid in pids:  # processes left in our own namespace by a run that died
@@ -87,32 +86,37 @@ def cleanup() -> list:
         _ip("link", "del", link, check=False)
     # Namespace deletion frees its veth asynchronously: wait until nothing is left.
     deadline = time.monotonic() + 5
-    while any(leftovers()) and time.monotonic() < deadline:
-        for link in leftovers()[1]:
+    while any(leftovers(prefix)) and time.monotonic() < deadline:
+        for link in leftovers(prefix)[1]:
             _ip("link", "del", link, check=False)
         time.sleep(0.1)
     return spaces + links
 
 
 class EmulatedCluster:
-    """Context manager: nodes namespaces on a bridge; set_link() throttles them."""
+    """Context manager: nodes namespaces on a bridge; set_link() throttles them. prefix
+    names everything made (a test uses its own, so it never removes a benchmark's)."""
 
-    def __init__(self, nodes: int):
+    def __init__(self, nodes: int, prefix: str = PREFIX):
         if nodes > 250:
             raise ValueError("at most 250 nodes")
+        if len(prefix) > 12:  # interface names: at most 15 characters
+            raise ValueError(f"prefix {prefix!r} is longer than 12 characters")
         self.nodes = nodes
+        self.prefix = prefix
+        self._cleanup = lambda: cleanup(prefix)
         self.link = None
         self.delay_us = 0
         self._old_handlers = {}
 
     def namespace(self, node: int) -> str:
-        return f"{PREFIX}n{node}"
+        return f"{self.prefix}n{node}"
 
     def address(self, node: int) -> str:
         return f"{SUBNET}.{node + 1}"
 
     def _root_veth(self, node: int) -> str:
-        return f"{PREFIX}{node}"
+        return f"{self.prefix}{node}"
 
     # ---- life cycle -----------------------------------------------------------------------
     def __enter__(self) -> "EmulatedCluster":
@@ -121,8 +125,8 @@ class EmulatedCluster:
             raise RuntimeError(f"cannot emulate a cluster here: {why}")
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
-        atexit.register(cleanup)
-        cleanup()  # leftovers of a run that died
+        atexit.register(self._cleanup)
+        self._cleanup()  # leftovers of a run that died
         try:
             self._create()
         except BaseException:
@@ -132,25 +136,26 @@ class EmulatedCluster:
 
     def __exit__(self, *exc) -> None:
         try:
-            cleanup()
+            self._cleanup()
         finally:
             for sig, handler in self._old_handlers.items():
                 signal.signal(sig, handler)
             self._old_handlers.clear()
-            atexit.unregister(cleanup)
+            atexit.unregister(self._cleanup)
 
     def _on_signal(self, signum, frame):
         # Unwind through the finally blocks (the launcher kills the ranks, __exit__ cleans up).
         raise KeyboardInterrupt(f"signal {signum}")
 
     def _create(self) -> None:
-        _ip("link", "add", BRIDGE, "type", "bridge")
-        _ip("link", "set", BRIDGE, "up")
+        bridge = self.prefix + "b"
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("link", "set", bridge, "up")
         for k in range(self.nodes):
             ns, veth = self.namespace(k), self._root_veth(k)
             _ip("netns", "add", ns)
             _ip("link", "add", veth, "type", "veth", "peer", "name", IFACE, "netns", ns)
-            _ip("link", "set", veth, "master", BRIDGE, "up")
+            _ip("link", "set", veth, "master", bridge, "up")
             _ip("addr", "add", f"{self.address(k)}/24", "dev", IFACE, ns=ns)
             _ip("link", "set", IFACE, "up", ns=ns)
             _ip("link", "set", "lo", "up", ns=ns)

@@ -239,6 +239,85 @@ def measure(b: Bench, impls: dict, key: str, out, exact, common: dict) -> dict:
     return rows
 
 
+def pipeline_rows(b: Bench, group, cfg: dict, device) -> list:
+    """Where pipelining pays: the default qgZ reduce-scatter of an fp32 gradient with
+    pipeline_stages 1, 2, 4 as requested ("forced": every stage run, whatever its size) and
+    as qcoll runs them ("auto": stages cut below MIN_PIPELINE_STAGE_BYTES dropped)."""
+    import qcoll.collectives as qcc
+
+    rows, world, rank = [], b.world, b.rank
+    for size in cfg.get("pipeline_sizes", []):
+        n = max(1, size // (world * 4))
+        inp = torch.cat([_values((rank, p, size, "pipe"), n, torch.float32, device) for p in range(world)])
+        exact = sum(_values((q, rank, size, "pipe"), n, torch.float32, "cpu").double() for q in range(world)) / world
+        out = torch.empty(n, dtype=torch.float32, device=device)
+
+        def call(stages, min_bytes):
+            def fn():
+                qcc._MIN_STAGE_BYTES = min_bytes
+                try:
+                    qcoll.quantized_reduce_scatter(out, inp, group, pipeline_stages=stages)
+                finally:
+                    qcc._MIN_STAGE_BYTES = _C.MIN_PIPELINE_STAGE_BYTES
+            return fn
+
+        impls = {"stages=1": call(1, _C.MIN_PIPELINE_STAGE_BYTES)}
+        for s in cfg.get("pipeline_stage_counts", [2, 4]):
+            impls[f"stages={s} forced"] = call(s, 0)
+            impls[f"stages={s} auto"] = call(s, _C.MIN_PIPELINE_STAGE_BYTES)
+        new = measure(b, impls, "reduce_scatter", out, exact,
+                      dict(collective="pipeline", bytes=size, numel_per_rank=n, dtype="fp32"))
+        for impl, row in new.items():
+            stages = int(impl.split("=")[1].split()[0])
+            auto = not impl.endswith("forced")
+            row["stages_run"] = _C.plan_reduce_scatter(
+                world, cfg["node_size"], n, 0, 8, 4, qcoll.DEFAULT_GROUP_SIZE, stages, -1, True,
+                _C.MIN_PIPELINE_STAGE_BYTES if auto else 0).stages
+            row["vs_one_stage"] = new["stages=1"]["time_s"] / row["time_s"]
+        rows += new.values()
+    return rows
+
+
+def overlap_rows(b: Bench, group, cfg: dict, device) -> list:
+    """Real asynchrony: a qwZ all-gather issued with async_op=True, then a matmul in the
+    caller, then wait(); against the same two one after the other. The matmul is sized to
+    take about as long as the gather alone."""
+    rows, world, rank = [], b.world, b.rank
+    for size in cfg.get("overlap_sizes", []):
+        n = max(1, size // (world * 2))
+        shard = _values((rank, size, "overlap"), n, torch.bfloat16, device)
+        full, sync_full = (torch.empty(world * n, dtype=torch.bfloat16, device=device) for _ in range(2))
+        qcoll.quantized_allgather(sync_full, shard, group)
+        gather_s = b.time(lambda: qcoll.quantized_allgather(full, shard, group))["time_s"]
+        m = 256
+        a = torch.randn(m, m, device=device)
+        t0 = time.perf_counter()
+        a @ a
+        reps = max(1, int(gather_s / max(time.perf_counter() - t0, 1e-6)))
+        reps = int(b.allsum([reps], op=dist.ReduceOp.MIN)[0])
+
+        def compute():
+            for _ in range(reps):
+                a @ a
+
+        def sequential():
+            qcoll.quantized_allgather(full, shard, group)
+            compute()
+
+        def overlapped():
+            work = qcoll.quantized_allgather(full, shard, group, async_op=True)
+            compute()
+            work.wait()
+
+        timed = b.time_interleaved({"sequential": sequential, "async": overlapped, "matmul": compute})
+        identical = bool(b.allsum([float(torch.equal(full, sync_full))], op=dist.ReduceOp.MIN)[0])
+        for impl, t in timed.items():
+            rows.append(dict(t, collective="overlap", impl=impl, bytes=size, numel_per_rank=n, dtype="bf16",
+                             rel_error=0.0, bit_identical_to_sync=identical, gather_alone_s=gather_s,
+                             vs_sequential=timed["sequential"]["time_s"] / t["time_s"]))
+    return rows
+
+
 def main() -> None:
     cfg = json.load(open(sys.argv[1]))
     rank = int(sys.argv[2])
@@ -305,6 +384,8 @@ def main() -> None:
         done += 1
         if rank == 0:
             print(f"PROGRESS {done} {total}", flush=True)
+    rows += pipeline_rows(b, group, cfg, device)
+    rows += overlap_rows(b, group, cfg, device)
     if rank == 0:
         with open(cfg["out"], "w") as f:
             json.dump({"rows": rows, "backend": dist.get_backend(),

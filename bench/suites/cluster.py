@@ -27,7 +27,7 @@ TARGETS = {"reduce_scatter": 3.5, "allgather": 1.8}  # speedup over torch at 1 G
 TARGET_GBIT = 1
 
 
-def run(quick: bool, progress, sizes=None) -> dict:
+def run(quick: bool, progress, sizes=None, pipeline_only=False, overlap_only=False) -> dict:
     why = _netns.available()
     if why:
         raise SystemExit(f"cluster suite: {why}")
@@ -43,7 +43,8 @@ def run(quick: bool, progress, sizes=None) -> dict:
             probes[name] = dict(cluster.probe(), delay_us=cluster.delay_us)
             qdiscs[name] = cluster.qdiscs()
             sub = progress.add_task(f"  link {name}", total=len(sizes))
-            cfg = collectives.config(sizes, quick, iface=_netns.IFACE)
+            cfg = collectives.config(sizes, quick, pipeline_only=pipeline_only, overlap_only=overlap_only,
+                                     iface=_netns.IFACE)
             out = _ranks.launch(
                 cfg, prefix=lambda r: cluster.exec_prefix(r // NODE_SIZE),
                 env=lambda r: {"GLOO_SOCKET_IFNAME": _netns.IFACE, "QCOLL_HOST_ID": f"node{r // NODE_SIZE}"},

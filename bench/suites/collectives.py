@@ -19,7 +19,18 @@ used over half a core is measured again (full runs: up to 3 attempts; `other_cor
 `attempts` in each row).
 Reported: median over repeats of the slowest rank's time, speedup over torch, bytes handed
 to peers inside / across nodes per call (summed over ranks; torch's row repeats the
-torch-via-qcoll count), and the relative L2 error against the exact result (fp64)."""
+torch-via-qcoll count), and the relative L2 error against the exact result (fp64).
+
+Pipeline rows (collective "pipeline", fp32 input of the given size): the default 2-hop
+reduce-scatter with pipeline_stages 1, 2 and 4, "forced" (every requested stage run) and
+"auto" (what qcoll runs: stages whose slice would be below MIN_PIPELINE_STAGE_BYTES are
+dropped, include/qcoll/plan.h); "speedup" there is over pipeline_stages=1. They are what
+that threshold was chosen from.
+
+Overlap rows (collective "overlap", bf16): a 64 MB qwZ all-gather issued with async_op=True
+beside a CPU matmul in the caller, against the two one after the other (and the matmul
+alone); "speedup" there is over the sequential pair; bit_identical_to_sync says the async
+result equals a synchronous call's."""
 
 from __future__ import annotations
 
@@ -35,10 +46,19 @@ GPU_ENV = {  # several NCCL ranks on one GPU: ../shared/gpu/README.md
 }
 
 
-def config(sizes, quick: bool, device: str = "cpu", **extra) -> dict:
-    return dict(world=WORLD, node_size=NODE_SIZE, sizes=list(sizes), dtype=DTYPE, device=device,
-                warmup=2 if quick else 3, repeats=5 if quick else 11, pipeline_stages=None,
-                phases=True, attempts=1 if quick else 3, **extra)
+PIPELINE_SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+def config(sizes, quick: bool, device: str = "cpu", pipeline_only: bool = False,
+           overlap_only: bool = False, **extra) -> dict:
+    pipeline = [] if overlap_only else [1 << 20, 16 << 20] if quick else PIPELINE_SIZES
+    overlap = [] if pipeline_only else [16 << 20] if quick else [64 << 20]
+    only = pipeline_only or overlap_only
+    return dict(world=WORLD, node_size=NODE_SIZE, sizes=[] if only else list(sizes),
+                dtype=DTYPE, device=device, warmup=2 if quick else 3, repeats=5 if quick else 11,
+                pipeline_stages=None, phases=True, attempts=1 if quick else 3,
+                pipeline_sizes=pipeline if device == "cpu" else [],
+                overlap_sizes=overlap if device == "cpu" else [], **extra)
 
 
 def finish(rows: list, keys=("bytes",)) -> list:
@@ -46,6 +66,9 @@ def finish(rows: list, keys=("bytes",)) -> list:
     row gets the byte counts of the baseline through qcoll (same collective, same rule)."""
     index = {(r["collective"], r["impl"], *[r.get(k) for k in keys]): r for r in rows}
     for r in rows:
+        if r["collective"] in ("pipeline", "overlap"):
+            r["speedup"] = r.get("vs_one_stage", r.get("vs_sequential"))
+            continue
         key = (r["collective"], *[r.get(k) for k in keys])
         torch_row = index.get((key[0], "torch", *key[1:]))
         via = index.get((key[0], "torch-via-qcoll", *key[1:]))
@@ -58,15 +81,15 @@ def finish(rows: list, keys=("bytes",)) -> list:
     return rows
 
 
-def run(quick: bool, progress, sizes=None, device=None) -> dict:
+def run(quick: bool, progress, sizes=None, device=None, pipeline_only=False, overlap_only=False) -> dict:
     device = device or "cpu"
     if device == "auto":
         device = "cpu"
     sizes = sizes or ([256 << 10, 4 << 20, 32 << 20] if quick else size_ladder(64 << 10, 64 << 20, False))
     task = progress.add_task(f"collectives ({device})", total=len(sizes))
     env = (lambda r: dict(GPU_ENV, NCCL_HOSTID=f"qhost{r}")) if device == "cuda" else None
-    out = _ranks.launch(config(sizes, quick, device), env=env, progress=progress, task=task,
-                        timeout=900)
+    out = _ranks.launch(config(sizes, quick, device, pipeline_only, overlap_only), env=env, progress=progress,
+                        task=task, timeout=900)
     return {"world": WORLD, "node_size": NODE_SIZE, "dtype": DTYPE, "device": device,
             "backend": out["backend"], "torch_calls": out["torch_calls"], "rows": finish(out["rows"])}
 

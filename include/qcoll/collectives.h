@@ -16,8 +16,10 @@ struct CollectiveBuffers {
 
 // output = the n elements of every member, member order; every rank's output is identical
 // (its own slice also goes through the codec).
+// sequence: the group's call number, stamped into every wire header (plan.header > 0).
 void all_gather(const AllGatherPlan& plan, const CollectiveBuffers& buffers, DType dtype,
-                Communicator& comm, const Device& device, Traffic& traffic);
+                Communicator& comm, const Device& device, Traffic& traffic,
+                uint32_t sequence = 0);
 
 // output (n elements) = op over members of their input partition rank (input holds
 // world * n elements). Flat plan: one all-to-all over `world`. Two-hop plan: intra-node
@@ -26,7 +28,7 @@ void all_gather(const AllGatherPlan& plan, const CollectiveBuffers& buffers, DTy
 // Raw flat plan (bits 0, one hop): the transport's own reduce-scatter.
 void reduce_scatter(const ReduceScatterPlan& plan, const CollectiveBuffers& buffers, DType dtype,
                     ReduceOp op, Communicator& world, Communicator* intra, Communicator* inter,
-                    const Device& device, Traffic& traffic);
+                    const Device& device, Traffic& traffic, uint32_t sequence = 0);
 
 // Process-wide byte counters read by qcoll.stats().
 Traffic& allgather_traffic();

@@ -37,11 +37,19 @@ struct Traffic {
   std::atomic<int64_t> calls{0};
   std::atomic<int64_t> intra_bytes{0};
   std::atomic<int64_t> inter_bytes{0};
+  std::atomic<int64_t> header_bytes{0};  // the wire headers' share of intra + inter bytes
 
   void reset() {
     calls = 0;
     intra_bytes = 0;
     inter_bytes = 0;
+    header_bytes = 0;
+  }
+  void add(const Traffic& t) {
+    calls += t.calls.load();
+    intra_bytes += t.intra_bytes.load();
+    inter_bytes += t.inter_bytes.load();
+    header_bytes += t.header_bytes.load();
   }
 };
 

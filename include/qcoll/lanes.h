@@ -1,15 +1,40 @@
-// Two ordered lanes of GPU work for the pipelined reduce-scatter: intra-node hops on one
-// stream, inter-node hops on another, so stage s's inter-node exchange overlaps stage
-// s+1's intra-node exchange. Both lanes start after the work already on the caller's
-// stream, and the caller's stream waits for both when the lanes are closed.
+// Lanes of the pipelined reduce-scatter: intra-node hops on one, inter-node hops on the
+// other, so stage s's inter-node exchange overlaps stage s+1's intra-node exchange.
+//
+// Lanes is the one interface the 2-hop driver loop is written against (reduce_scatter.cpp);
+// make_lanes picks CPU threads, CUDA streams, or the serial case. Every implementation
+// joins its lanes before it is destroyed, on every path, exceptions included, so no hop
+// can still be using the workspace once the call has returned or thrown.
 #pragma once
 
+#include <functional>
 #include <memory>
 
 #include "qcoll/device.h"
 
 namespace qcoll {
 
+class Lanes {
+ public:
+  virtual ~Lanes() = default;
+  virtual Device intra() const = 0;
+  virtual Device inter() const = 0;
+  // Runs `work` on the inter lane, after everything the intra lane has done so far.
+  virtual void then_inter(std::function<void()> work) = 0;
+  // Waits for both lanes; rethrows the inter lane's first error.
+  virtual void join() = 0;
+  // True once the inter lane has failed: the driver stops issuing work.
+  virtual bool failed() const = 0;
+};
+
+// stages == 1: serial. CPU: intra work in the calling thread, inter work in a second one
+// (each lane blocks in its own communicator). CUDA with communicators that enqueue on the
+// call's stream (streams == true): two qcoll-owned streams (StreamLanes); otherwise serial.
+std::unique_ptr<Lanes> make_lanes(const Device& caller, int stages, bool streams);
+
+// Two ordered GPU lanes on qcoll-owned streams (src/cuda/stream_lanes.cu). Both lanes start
+// after the work already on the caller's stream; the caller's stream waits for both when
+// the lanes are joined.
 class StreamLanes {
  public:
   virtual ~StreamLanes() = default;

@@ -1,5 +1,8 @@
-// The data layout of the quantized reduce-scatter: stages, slices, wire chunks and the
+// The data layout of the quantized reduce-scatter: stages, slices, wire slots and the
 // workspace they live in. Pure arithmetic, shared by every transport and device.
+//
+// A wire slot is [header | chunk]: header_bytes (0 or kHeaderBytes, see wire_header.h)
+// then the chunk of wire.h. Slots are what the transport moves; kernels see the chunks.
 #pragma once
 
 #include <cstdint>
@@ -8,14 +11,25 @@
 
 namespace qcoll {
 
+// Pipelining pays only when each stage's slice is large enough for the overlap to beat the
+// extra exchanges. Measured (bench/suites/collectives.py "pipeline" rows; results in
+// bench/results/pipeline-cpu.json and pipeline-cluster-cpu.json, 2 nodes x 2, fp32): slices
+// of 4-8 MB ran 0.94-1.09x the one-stage time, 2 MB 0.91-1.04x, 1 MB and less 0.49-1.02x.
+// A requested stage count that would cut one partition's slice below this many input
+// bytes is reduced (to one stage at least).
+inline constexpr int64_t kMinPipelineStageBytes = int64_t{4} << 20;
+
 struct ReduceScatterPlan {
   int32_t world = 1;
   int32_t node_size = 1;
   int32_t nodes = 1;
   bool two_hop = false;  // intra-node hop, then inter-node hop
-  int32_t stages = 1;
+  int32_t requested_stages = 1;
+  int32_t stages = 1;    // requested_stages, reduced to what pays (kMinPipelineStageBytes)
   int64_t n = 0;      // output elements per rank (one partition)
   int64_t slice = 0;  // elements per stage slice (the last may be shorter or empty)
+  int64_t header = 0;      // header bytes at the start of every slot
+  int64_t call_check = 0;  // workspace bytes of the call check (wire_header.h), first
   WireFormat first;   // the only hop (flat), or the intra-node hop
   WireFormat second;  // the inter-node hop (two_hop only)
 
@@ -24,40 +38,51 @@ struct ReduceScatterPlan {
     const int64_t rest = n - slice_begin(s);
     return rest <= 0 ? 0 : (rest < slice ? rest : slice);
   }
-  // Chunk bytes of stage s (the wire carries exactly these, the last stage's may be shorter).
-  int64_t first_chunk(int32_t s) const { return first.chunk_bytes(slice_len(s)); }
-  int64_t second_chunk(int32_t s) const { return two_hop ? second.chunk_bytes(slice_len(s)) : 0; }
+  // Slot bytes of stage s (the wire carries exactly these, the last stage's may be shorter).
+  int64_t first_chunk(int32_t s) const { return header + first.chunk_bytes(slice_len(s)); }
+  int64_t second_chunk(int32_t s) const {
+    return two_hop ? header + second.chunk_bytes(slice_len(s)) : 0;
+  }
 
   // Workspace: per stage, [send1 | recv1 | send2 | recv2] sized for a full slice.
   int64_t stage_bytes() const {
-    return 2 * world * first.chunk_bytes(slice) +
-           (two_hop ? 2 * nodes * second.chunk_bytes(slice) : 0);
+    return 2 * world * (header + first.chunk_bytes(slice)) +
+           (two_hop ? 2 * nodes * (header + second.chunk_bytes(slice)) : 0);
   }
-  int64_t workspace_bytes() const { return stages * stage_bytes(); }
-  int64_t send1(int32_t s) const { return s * stage_bytes(); }
-  int64_t recv1(int32_t s) const { return send1(s) + world * first.chunk_bytes(slice); }
-  int64_t send2(int32_t s) const { return recv1(s) + world * first.chunk_bytes(slice); }
-  int64_t recv2(int32_t s) const { return send2(s) + nodes * second.chunk_bytes(slice); }
+  int64_t workspace_bytes() const { return call_check + stages * stage_bytes(); }
+  int64_t send1(int32_t s) const { return call_check + s * stage_bytes(); }
+  int64_t recv1(int32_t s) const { return send1(s) + world * (header + first.chunk_bytes(slice)); }
+  int64_t send2(int32_t s) const { return recv1(s) + world * (header + first.chunk_bytes(slice)); }
+  int64_t recv2(int32_t s) const { return send2(s) + nodes * (header + second.chunk_bytes(slice)); }
 };
 
 // bits: 4 or 8 quantizes that hop, 0 sends raw values of `dtype`. hierarchical: 0 forces
 // the flat 1-hop path over the whole group; 1 or -1 (the default) take the 2-hop path
 // whenever the group has several nodes of several ranks (otherwise there is one hop).
+// headers: the call is checked across ranks first and every slot starts with a ChunkHeader
+// (host buffers only). min_stage_bytes: the
+// smallest slice (input bytes of one partition) a pipeline stage may have.
 ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t n, DType dtype,
                                       int32_t intra_bits, int32_t inter_bits, int64_t group_size,
-                                      int32_t stages, int32_t hierarchical);
+                                      int32_t stages, int32_t hierarchical, bool headers = false,
+                                      int64_t min_stage_bytes = kMinPipelineStageBytes);
 
-// All-gather of n elements per rank: one chunk per rank.
+// All-gather of n elements per rank: one slot per rank.
 struct AllGatherPlan {
   int32_t world = 1;
   int64_t n = 0;
-  WireFormat fmt;  // bits 0: the transport's own all-gather of raw values, no workspace
-  int64_t chunk() const { return fmt.chunk_bytes(n); }
-  int64_t workspace_bytes() const { return fmt.quantized() ? (world + 1) * chunk() : 0; }
-  int64_t send() const { return world * chunk(); }  // recv first (world chunks), then send
+  int64_t header = 0;
+  int64_t call_check = 0;  // workspace bytes of the call check (wire_header.h), first
+  WireFormat fmt;  // bits 0: the transport's own all-gather of raw values, no slots
+  int64_t chunk() const { return header + fmt.chunk_bytes(n); }
+  int64_t workspace_bytes() const {
+    return call_check + (fmt.quantized() ? (world + 1) * chunk() : 0);
+  }
+  int64_t recv() const { return call_check; }  // world slots, then the send slot
+  int64_t send() const { return call_check + world * chunk(); }
 };
 
 AllGatherPlan plan_all_gather(int32_t world, int64_t n, DType dtype, int32_t bits,
-                              int64_t group_size);
+                              int64_t group_size, bool headers = false);
 
 }  // namespace qcoll

@@ -1,20 +1,23 @@
 """qcoll: quantized collectives for sharded data-parallel training."""
 
 from ._version import __version__
-from .collectives import Work, quantized_allgather, quantized_reduce_scatter
-from .group import Group, new_group
+from ._calls import CommunicationError, Work
+from .collectives import quantized_allgather, quantized_reduce_scatter
+from .group import Group, destroy, new_group
 from .info import build_info
 from .quantization import DEFAULT_GROUP_SIZE, QuantizedTensor, dequantize, quantize
 from .stats import reset_stats, stats
 
 __all__ = [
     "__version__",
+    "CommunicationError",
     "DEFAULT_GROUP_SIZE",
     "Group",
     "QuantizedTensor",
     "Work",
     "build_info",
     "dequantize",
+    "destroy",
     "new_group",
     "quantize",
     "quantized_allgather",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._calls import CommunicationError
 from ._dtypes import DTYPE_CODES
 
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -39,30 +40,45 @@ class Buffers:
 
 
 class ProcessGroupTransport:
-    def __init__(self, pg, buffers: Buffers):
+    """Exchanges over a ProcessGroup qcoll owns. `label` names the group in errors (for a
+    2-hop call, which hop failed)."""
+
+    def __init__(self, pg, buffers: Buffers, label: str):
         self.pg = pg
         self.size = dist.get_world_size(pg)
         self.buffers = buffers
+        self.label = label
         self.is_nccl = dist.get_backend(pg) == "nccl"
+
+    def _failed(self, what: str, exc: Exception) -> CommunicationError:
+        return CommunicationError(f"{what} over {self.label}: {type(exc).__name__}: {exc}")
 
     def all_to_all(self, send_id, send_off, recv_id, recv_off, nbytes):
         send = self.buffers.bytes(send_id, send_off, self.size * nbytes)
         recv = self.buffers.bytes(recv_id, recv_off, self.size * nbytes)
-        dist.all_to_all_single(recv, send, group=self.pg)
+        try:
+            dist.all_to_all_single(recv, send, group=self.pg)
+        except Exception as exc:  # noqa: BLE001 - named and re-raised
+            raise self._failed("all-to-all", exc) from exc
 
     def all_gather(self, send_id, send_off, recv_id, recv_off, nbytes):
         send = self.buffers.bytes(send_id, send_off, nbytes)
         recv = self.buffers.bytes(recv_id, recv_off, self.size * nbytes)
-        _all_gather(recv, send, group=self.pg)
+        try:
+            _all_gather(recv, send, group=self.pg)
+        except Exception as exc:  # noqa: BLE001
+            raise self._failed("all-gather", exc) from exc
 
     def reduce_scatter(self, send_id, send_off, recv_id, recv_off, count, dtype_code, op):
         send = self.buffers.typed(send_id, send_off, self.size * count, dtype_code)
         recv = self.buffers.typed(recv_id, recv_off, count, dtype_code)
-        if op == _AVG and self.is_nccl:
-            _reduce_scatter(recv, send, op=dist.ReduceOp.AVG, group=self.pg)
-            return
-        _reduce_scatter(recv, send, op=dist.ReduceOp.SUM, group=self.pg)
-        if op == _AVG:  # gloo has no AVG
+        native_avg = op == _AVG and self.is_nccl
+        try:
+            _reduce_scatter(recv, send, op=dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM,
+                            group=self.pg)
+        except Exception as exc:  # noqa: BLE001
+            raise self._failed("reduce-scatter", exc) from exc
+        if op == _AVG and not native_avg:  # gloo has no AVG
             recv.div_(self.size)
 
 

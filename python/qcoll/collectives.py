@@ -1,7 +1,8 @@
 """qcoll.quantized_allgather and qcoll.quantized_reduce_scatter.
 
 Every argument is checked here, on every rank, before any communication; the algorithms
-themselves run in the C++ core (src/collectives/) over the group's communicator."""
+themselves run in the C++ core (src/collectives/) over the group's communicator: for CPU
+tensors on the group's worker thread (_calls.py), for CUDA tensors in stream order."""
 
 from __future__ import annotations
 
@@ -13,36 +14,23 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from ._calls import Work, new_traffic
 from ._device import device_args
 from ._dtypes import BYTES_CODE, DTYPE_CODES, dtype_code
 from .group import Group, resolve_group
 from .quantization import check_group_size
 
 OPS = {"sum": 0, "avg": 1}
-
-
-class Work:
-    """Handle of an async_op=True call. On GPU, wait() makes the caller's current stream
-    wait for the collective (the host is never blocked); on CPU the call has completed."""
-
-    def __init__(self, event: Optional[torch.cuda.Event] = None, keep_alive=()):
-        self._event = event
-        self._keep_alive = keep_alive  # workspaces the device may still be using
-
-    def wait(self) -> bool:
-        if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
-        return True
-
-    def is_completed(self) -> bool:
-        return self._event is None or self._event.query()
+# Smallest pipeline stage (input bytes of one partition's slice) worth its exchanges;
+# measured, see include/qcoll/plan.h. Tests lower it to exercise many stages on small data.
+_MIN_STAGE_BYTES = _C.MIN_PIPELINE_STAGE_BYTES
 
 
 def _check_bits(bits, name: str) -> int:
     """Wire bits: 4 or 8 quantize, None sends the input dtype (0 for the core)."""
     if bits is None:
         return 0
-    if isinstance(bits, bool) or bits not in (4, 8):
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):
         raise ValueError(f"{name} must be 4, 8 or None (no quantization), got {bits!r}")
     return int(bits)
 
@@ -56,6 +44,9 @@ def _check_pair(output, input, expected_out: int, expected_in: int, what: str,
             raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_contiguous():
             raise ValueError(f"{what}: {name} must be contiguous")
+    if output.requires_grad and output.is_leaf:  # as torch's in-place ops and collectives
+        raise RuntimeError(f"{what}: output is a leaf tensor that requires grad; a collective "
+                           "writes it in place (pass a tensor without requires_grad, or detach it)")
     if raw_bytes_ok and input.dtype not in DTYPE_CODES:
         code = BYTES_CODE
     else:
@@ -90,6 +81,7 @@ def _debug_check(group: Group, meta: tuple) -> None:
     (instead of hanging or corrupting data inside the transport)."""
     if os.environ.get("QCOLL_DEBUG", "0") in ("", "0") or group.size == 1:
         return
+    group._calls.drain()  # group.pg may be the worker's own (a sub-group's): never both at once
     metas = [None] * group.size
     dist.all_gather_object(metas, meta, group=group.pg)
     if any(m != metas[0] for m in metas):
@@ -97,28 +89,58 @@ def _debug_check(group: Group, meta: tuple) -> None:
         raise ValueError(f"qcoll: ranks disagree on {meta[0]} arguments:\n{lines}")
 
 
-def _run(group: Group, device: torch.device, tensors, launch, async_op: bool):
-    comm = group.communicator(device)
-    kind, index, stream = device_args(tensors[0], "input")
-    group._buffers.set(*tensors)
-    try:
-        launch(comm, kind, index, stream)
-    finally:
-        group._buffers.clear()
-    if not async_op:
-        return None
+def _describe(what: str, group: Group, sequence: int) -> str:
+    return f"qcoll.{what} (call {sequence} of the group of global ranks {group.global_ranks})"
+
+
+def _run(what: str, group: Group, input: torch.Tensor, output: torch.Tensor, workspace_bytes: int,
+         launch, async_op: bool):
+    """Run `launch(comm, kind, index, stream, workspace, traffic, sequence)` for one call.
+
+    The output is written in place: its version counter is bumped now, as torch's in-place
+    ops do, so autograd sees the write. CPU: the call runs on the group's worker thread,
+    after every call issued before it on the group's family; the tensors stay referenced
+    until it has run. CUDA: the call is enqueued on the caller's stream right here."""
+    if not output.is_inference():
+        torch.autograd.graph.increment_version(output)
+    device = input.device
     if device.type == "cuda":
+        group._calls.drain()  # CPU calls issued earlier on this family go first
+    comm = group.communicator(device)
+    kind, index, stream = device_args(input, "input")
+    sequence = group._next_sequence()
+    traffic = new_traffic()
+
+    def call():
+        workspace = _workspace(group, workspace_bytes, device)
+        group._buffers.set(input, output, workspace)
+        try:
+            launch(comm, kind, index, stream, workspace, traffic, sequence)
+        finally:
+            group._buffers.clear()
+        return workspace
+
+    describe = _describe(what, group, sequence)
+    if device.type == "cuda":
+        workspace = call()
+        if not async_op:
+            return None
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
-        return Work(event, keep_alive=tensors)
-    return Work()
+        return Work(traffic=traffic, event=event, keep_alive=(input, output, workspace))
+    work = Work(group._calls.submit(call, describe), traffic=traffic)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def _workspace(group: Group, nbytes: int, device: torch.device) -> torch.Tensor:
     """Scratch for one call. On CPU the group keeps one grow-only buffer: fresh large
     allocations come back from the OS as new pages, and faulting them in cost a quarter of
-    a 64 MB reduce-scatter (bench/results/cluster-cpu.json). On GPU the caching allocator
-    already reuses memory, in stream order."""
+    a 64 MB reduce-scatter (bench/results/cluster-cpu.json). It is taken when the call runs
+    on the family's worker thread, which runs one call at a time, so two calls in flight
+    never share it. On GPU the caching allocator already reuses memory, in stream order."""
     if device.type != "cpu":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     if group._cpu_workspace is None or group._cpu_workspace.numel() < nbytes:
@@ -127,13 +149,15 @@ def _workspace(group: Group, nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=1024)
-def _allgather_plan(size, n, code, bits, group_size):
-    return _C.plan_all_gather(size, n, code, bits, group_size)
+def _allgather_plan(size, n, code, bits, group_size, headers):
+    return _C.plan_all_gather(size, n, code, bits, group_size, headers)
 
 
 @functools.lru_cache(maxsize=1024)
-def _reduce_scatter_plan(size, node_size, n, code, intra, inter, group_size, stages, hierarchical):
-    return _C.plan_reduce_scatter(size, node_size, n, code, intra, inter, group_size, stages, hierarchical)
+def _reduce_scatter_plan(size, node_size, n, code, intra, inter, group_size, stages, hierarchical,
+                         headers, min_stage_bytes):
+    return _C.plan_reduce_scatter(size, node_size, n, code, intra, inter, group_size, stages,
+                                  hierarchical, headers, min_stage_bytes)
 
 
 def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *, bits: Optional[int] = 8,
@@ -153,14 +177,13 @@ def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *
     group_size = check_group_size(group_size)
     g = resolve_group(group)
     _debug_check(g, ("quantized_allgather", n, output.numel(), str(input.dtype), bits, group_size))
-    plan = _allgather_plan(g.size, n, code, wire_bits, group_size)
-    workspace = _workspace(g, plan.workspace_bytes, input.device)
+    plan = _allgather_plan(g.size, n, code, wire_bits, group_size, input.device.type == "cpu")
 
-    def launch(comm, kind, index, stream):
+    def launch(comm, kind, index, stream, workspace, traffic, sequence):
         _C.all_gather(plan, comm, code, input.data_ptr(), output.data_ptr(), workspace.data_ptr(),
-                      kind, index, stream)
+                      kind, index, stream, traffic, sequence)
 
-    return _run(g, input.device, (input, output, workspace), launch, async_op)
+    return _run("quantized_allgather", g, input, output, plan.workspace_bytes, launch, async_op)
 
 
 def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, op: str = "avg",
@@ -171,7 +194,8 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     input[r*n:(r+1)*n], n = output.numel(). op: "avg" (true mean) or "sum"; reduced in fp32.
 
     Several nodes: 2-hop (intra-node all-to-all at intra_bits, fp32 reduce, inter-node
-    all-to-all at inter_bits), pipelined over pipeline_stages slices. One node, or
+    all-to-all at inter_bits), pipelined over pipeline_stages slices (fewer where a slice
+    would be below the measured size where pipelining pays). One node, or
     hierarchical=False: one all-to-all at intra_bits (one node) or inter_bits (several).
     bits=None sends the input dtype; with hierarchical=False and the one hop unquantized
     this is the transport's own reduce-scatter.
@@ -179,7 +203,7 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     size = _group_size(group)
     n = output.numel() if isinstance(output, torch.Tensor) else 0
     code = _check_pair(output, input, n, size * n, "quantized_reduce_scatter")
-    if op not in OPS:
+    if not isinstance(op, str) or op not in OPS:
         raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
     intra = _check_bits(intra_bits, "intra_bits")
     inter = _check_bits(inter_bits, "inter_bits")
@@ -187,21 +211,22 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     stages = 1 if pipeline_stages is None else pipeline_stages
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ValueError(f"pipeline_stages must be a positive int or None, got {pipeline_stages!r}")
-    if hierarchical not in (None, True, False):
+    if not (hierarchical is None or isinstance(hierarchical, bool)):
         raise ValueError(f"hierarchical must be True, False or None, got {hierarchical!r}")
     g = resolve_group(group)
     _debug_check(g, ("quantized_reduce_scatter", n, input.numel(), str(input.dtype), op, intra_bits,
                      inter_bits, group_size, stages, hierarchical))
     hier = -1 if hierarchical is None else int(hierarchical)
-    plan = _reduce_scatter_plan(g.size, g.node_size, n, code, intra, inter, group_size, stages, hier)
-    workspace = _workspace(g, plan.workspace_bytes, input.device)
+    plan = _reduce_scatter_plan(g.size, g.node_size, n, code, intra, inter, group_size, stages, hier,
+                                input.device.type == "cpu", _MIN_STAGE_BYTES)
     intra_comm = g.intra.communicator(input.device) if plan.two_hop else None
     inter_comm = g.inter.communicator(input.device) if plan.two_hop else None
     op_code = OPS[op]
 
-    def launch(comm, kind, index, stream):
+    def launch(comm, kind, index, stream, workspace, traffic, sequence):
         # g.intra and g.inter share g's buffer registry, which _run fills for this call.
         _C.reduce_scatter(plan, comm, intra_comm, inter_comm, code, op_code, input.data_ptr(),
-                          output.data_ptr(), workspace.data_ptr(), kind, index, stream)
+                          output.data_ptr(), workspace.data_ptr(), kind, index, stream, traffic,
+                          sequence)
 
-    return _run(g, input.device, (input, output, workspace), launch, async_op)
+    return _run("quantized_reduce_scatter", g, input, output, plan.workspace_bytes, launch, async_op)

@@ -1,19 +1,31 @@
 """qcoll.Group: a torch.distributed group seen as nodes of node_size consecutive ranks,
-with the intra-node and inter-node sub-groups the hierarchical collectives use."""
+with the intra-node and inter-node sub-groups the hierarchical collectives use.
+
+A Group communicates over ProcessGroups of its own (created with the parent's timeout, or
+new_group(..., timeout=)), on a worker thread of its own (_calls.CallQueue) shared with its
+sub-groups: never over the caller's ProcessGroup, so it cannot race the caller's own
+collectives or another Group's."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
+import threading
+import weakref
+from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from . import _C
+from ._calls import CallQueue
 from ._torch_transport import Buffers, ProcessGroupTransport, SelfTransport
 
 BACKENDS = ("nccl", "torch")
+_live_groups: "weakref.WeakSet[Group]" = weakref.WeakSet()  # for qcoll.destroy()
+_creation_order = itertools.count()
 
 
 class Group:
@@ -23,11 +35,13 @@ class Group:
     rank's local index on every node (a Group of num_nodes ranks, one per node).
     """
 
-    def __init__(self, pg, node_size: int, backend: Optional[str], *, _singleton: bool = False,
-                 _buffers: Optional[Buffers] = None):
-        self.pg = pg
+    def __init__(self, pg, node_size: int, backend: Optional[str], *, timeout: timedelta,
+                 _singleton: bool = False, _owned_pg=None, _role: str = "group",
+                 _family: Optional[tuple] = None):
+        self.pg = pg  # the caller's ProcessGroup (QCOLL_DEBUG checks, NCCL setup)
         self.backend = backend
         self.node_size = node_size
+        self.timeout = timeout
         if _singleton:
             self.rank, self.size, self.global_ranks = 0, 1, [dist.get_rank()]
         else:
@@ -37,25 +51,51 @@ class Group:
         self.num_nodes = self.size // node_size
         self.node = self.rank // node_size
         self.local_rank = self.rank % node_size
-        # Sub-groups share their parent's registry: one call's buffers serve every hop.
-        self._buffers = _buffers if _buffers is not None else Buffers()
-        transport = SelfTransport(self._buffers) if self.size == 1 else ProcessGroupTransport(pg, self._buffers)
+        # Sub-groups share their parent's buffer registry (one call's buffers serve every
+        # hop) and worker thread (calls of the family run in issue order, one at a time).
+        if _family is None:
+            _family = (Buffers(), CallQueue(f"qcoll-group-{self.global_ranks}"))
+        self._buffers, self._calls = _family
+        # The ProcessGroup qcoll communicates over: its own, never the caller's.
+        if self.size > 1 and _owned_pg is None:
+            _owned_pg = _partition_groups([self.global_ranks], self.global_ranks, timeout)[0]
+        self._owned_pg = _owned_pg
+        self._role = _role
+        label = f"the {_role} (global ranks {self.global_ranks})"
+        transport = (SelfTransport(self._buffers) if self.size == 1
+                     else ProcessGroupTransport(_owned_pg, self._buffers, label))
         local = [p // node_size == self.node for p in range(self.size)]
         self._torch_comm = _C.TorchCommunicator(self.rank, self.size, local, transport)
         self._nccl_comm = None
         self._cpu_workspace = None  # grow-only scratch of the collectives (collectives._workspace)
-        self._intra = self if self.num_nodes == 1 else None
-        self._inter = self if node_size == 1 else None
+        self._sequence = itertools.count()  # call numbers, stamped into the wire headers
+        self._sequence_lock = threading.Lock()
+        self._intra: Optional[Group] = None
+        self._inter: Optional[Group] = None
+        self._closed = False
+        self._created = next(_creation_order)
+        if _role == "group":  # a dropped Group stops its thread (sub-groups share it)
+            # Not at interpreter exit: a call blocked on a dead peer must not hold exit up.
+            weakref.finalize(self, self._calls.close).atexit = False
+            _live_groups.add(self)
+
+    def _next_sequence(self) -> int:
+        with self._sequence_lock:
+            return next(self._sequence) & 0xFFFFFFFF
 
     # ---- sub-groups --------------------------------------------------------------------
     @property
     def intra(self) -> "Group":
+        if self.num_nodes == 1:  # no stored self-reference: a Group holds no cycle
+            return self
         if self._intra is None:
             self._make_subgroups()
         return self._intra
 
     @property
     def inter(self) -> "Group":
+        if self.node_size == 1:
+            return self
         if self._inter is None:
             self._make_subgroups()
         return self._inter
@@ -66,12 +106,30 @@ class Group:
         n, m = self.node_size, self.num_nodes
         nodes = [self.global_ranks[k * n:(k + 1) * n] for k in range(m)]
         columns = [self.global_ranks[j::n] for j in range(n)]
-        intra = _partition_groups(nodes, self.global_ranks)[self.node]
-        inter = _partition_groups(columns, self.global_ranks)[self.local_rank]
-        if self._intra is None:
-            self._intra = _subgroup(intra, nodes[self.node], n, self.backend, self._buffers)
-        if self._inter is None:
-            self._inter = _subgroup(inter, columns[self.local_rank], 1, self.backend, self._buffers)
+        intra = _partition_groups(nodes, self.global_ranks, self.timeout)[self.node]
+        inter = _partition_groups(columns, self.global_ranks, self.timeout)[self.local_rank]
+        family = (self._buffers, self._calls)
+        if self._intra is None and self.num_nodes > 1:
+            self._intra = _subgroup(intra, nodes[self.node], n, self.backend, self.timeout,
+                                    family, "intra-node group")
+        if self._inter is None and n > 1:
+            self._inter = _subgroup(inter, columns[self.local_rank], 1, self.backend,
+                                    self.timeout, family, "inter-node group")
+
+    # ---- lifetime ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish the calls in flight, stop the worker thread and destroy the ProcessGroups
+        this Group created (its sub-groups' too). Collective: every member calls it, in the
+        same order relative to other groups. The Group cannot be used afterwards."""
+        if self._closed:
+            return
+        self._calls.close()
+        for g in (self._intra, self._inter, self):
+            if g is not None and not g._closed:
+                g._closed = True
+                if g._owned_pg is not None:
+                    dist.destroy_process_group(g._owned_pg)
+                    g._owned_pg = None
 
     # ---- transports --------------------------------------------------------------------
     def communicator(self, device: torch.device):
@@ -100,24 +158,40 @@ class Group:
                 f"num_nodes={self.num_nodes}, backend={self.backend!r})")
 
 
-def _partition_groups(blocks: list, members: list) -> list:
-    """ProcessGroups for disjoint blocks of ranks (None for a block of one rank).
+def _partition_groups(blocks: list, members: list, timeout: Optional[timedelta] = None) -> list:
+    """ProcessGroups for disjoint blocks of ranks (None for a block of one rank), each with
+    `timeout` (None: torch's default).
 
     When the members are the whole world, every rank creates every block's group in order:
     torch numbers groups by a per-process counter, so ranks must create the same groups in
     the same sequence. A strict sub-group cannot ask non-members to join; each member then
     creates only its own block with group-local synchronization."""
     if len(members) == dist.get_world_size():
-        return [dist.new_group(b) if len(b) > 1 else None for b in blocks]
+        return [dist.new_group(b, timeout=timeout) if len(b) > 1 else None for b in blocks]
     me = dist.get_rank()
-    return [dist.new_group(b, use_local_synchronization=True) if (me in b and len(b) > 1) else None
-            for b in blocks]
+    return [dist.new_group(b, timeout=timeout, use_local_synchronization=True)
+            if (me in b and len(b) > 1) else None for b in blocks]
 
 
-def _subgroup(pg, ranks, node_size: int, backend, buffers: Optional[Buffers] = None) -> Group:
+def _subgroup(pg, ranks, node_size: int, backend, timeout: Optional[timedelta] = None,
+              family: Optional[tuple] = None, role: str = "group") -> Group:
+    """A Group over `pg`, a ProcessGroup qcoll created (it is not cloned again); a
+    singleton Group for one rank."""
+    timeout = timeout if timeout is not None else pg_timeout(pg)
     if len(ranks) == 1:
-        return Group(None, 1, backend, _singleton=True, _buffers=buffers)
-    return Group(pg, node_size, backend, _buffers=buffers)
+        return Group(None, 1, backend, timeout=timeout, _singleton=True, _family=family, _role=role)
+    return Group(pg, node_size, backend, timeout=timeout, _owned_pg=pg, _family=family, _role=role)
+
+
+def pg_timeout(pg) -> timedelta:
+    """The timeout of a ProcessGroup's backend (what its collectives wait at most)."""
+    if pg is not None:
+        for device in pg._device_types:
+            try:
+                return pg._get_backend(device).options._timeout
+            except (AttributeError, RuntimeError):
+                continue
+    return dist.default_pg_timeout
 
 
 def _host_id() -> str:
@@ -159,7 +233,8 @@ def _check_layout(hosts: list, node_size: int) -> None:
             )
 
 
-def new_group(pg=None, *, node_size: Optional[int] = None, backend: Optional[str] = None) -> Group:
+def new_group(pg=None, *, node_size: Optional[int] = None, backend: Optional[str] = None,
+              timeout: Optional[timedelta] = None) -> Group:
     """A qcoll.Group over ProcessGroup ``pg`` (None: the default group).
 
     node_size: ranks per node; defaults to LOCAL_WORLD_SIZE for the default group, and to
@@ -168,13 +243,17 @@ def new_group(pg=None, *, node_size: Optional[int] = None, backend: Optional[str
     HSDP replicate group has one rank per host). An explicit value lets one host emulate
     several nodes. backend: "nccl" (qcoll's own NCCL communicators), "torch" (the
     ProcessGroup itself), or None (NCCL for CUDA tensors when available, else torch).
-    Collective: every rank of pg must call it.
+    timeout: how long any exchange may wait for a peer before the call raises (default:
+    pg's own timeout); the Group's ProcessGroups are created with it.
+    Collective: every rank of pg must call it, in the same order relative to other groups.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("qcoll.new_group needs torch.distributed: call init_process_group first")
     if backend not in (None, *BACKENDS):
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     pg = pg if pg is not None else dist.group.WORLD
+    if timeout is not None and not (isinstance(timeout, timedelta) and timeout > timedelta(0)):
+        raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
     size = dist.get_world_size(pg)
     if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int)
                                   or node_size < 1 or size % node_size):
@@ -189,13 +268,22 @@ def new_group(pg=None, *, node_size: Optional[int] = None, backend: Optional[str
         else:
             node_size = _node_size_from_hosts(hosts)
     _check_layout(hosts, node_size)
-    group = Group(pg, node_size, backend)
+    group = Group(pg, node_size, backend, timeout=timeout if timeout is not None else pg_timeout(pg))
     if 1 < node_size < size:
         group._make_subgroups()
     return group
 
 
 _default_groups = {}
+
+
+def destroy() -> None:
+    """Close every qcoll.Group of this process (see Group.close), in creation order, and
+    forget the Groups made for plain ProcessGroups. Collective, like Group.close."""
+    groups = sorted(_live_groups, key=lambda g: g._created)  # before the cache lets any go
+    _default_groups.clear()
+    for g in groups:
+        g.close()
 
 
 def resolve_group(group) -> Group:

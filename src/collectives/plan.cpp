@@ -1,6 +1,7 @@
 #include "qcoll/plan.h"
 
 #include "qcoll/error.h"
+#include "qcoll/wire_header.h"
 
 namespace qcoll {
 
@@ -19,7 +20,8 @@ WireFormat wire(int32_t bits, int64_t group_size, DType dtype) {
 
 ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t n, DType dtype,
                                       int32_t intra_bits, int32_t inter_bits, int64_t group_size,
-                                      int32_t stages, int32_t hierarchical) {
+                                      int32_t stages, int32_t hierarchical, bool headers,
+                                      int64_t min_stage_bytes) {
   QCOLL_ARG_CHECK(world >= 1 && node_size >= 1 && world % node_size == 0, "node_size ",
                   node_size, " must divide the group size ", world);
   QCOLL_ARG_CHECK(n >= 0, "output numel must be >= 0, got ", n);
@@ -32,9 +34,15 @@ ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t 
   p.nodes = world / node_size;
   const bool layered = p.nodes > 1 && node_size > 1;
   p.two_hop = layered && hierarchical != 0;
-  p.stages = stages;
+  p.requested_stages = stages;
+  // Fewer stages where slices would be too small for the overlap to pay; at least one.
+  const int64_t bytes = n * static_cast<int64_t>(dtype_size(dtype));
+  const int64_t useful = min_stage_bytes > 0 ? bytes / min_stage_bytes : stages;
+  p.stages = static_cast<int32_t>(useful < 1 ? 1 : (useful < stages ? useful : stages));
   p.n = n;
-  p.slice = (n + stages - 1) / stages;
+  p.slice = (n + p.stages - 1) / p.stages;
+  p.header = headers ? kHeaderBytes : 0;
+  p.call_check = headers ? (world + 1) * kCallHeaderBytes : 0;
   if (p.two_hop) {
     p.first = wire(intra_bits, group_size, dtype);
     p.second = wire(inter_bits, group_size, dtype);
@@ -47,12 +55,14 @@ ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t 
 }
 
 AllGatherPlan plan_all_gather(int32_t world, int64_t n, DType dtype, int32_t bits,
-                              int64_t group_size) {
+                              int64_t group_size, bool headers) {
   QCOLL_ARG_CHECK(n >= 0, "input numel must be >= 0, got ", n);
   AllGatherPlan p;
   p.world = world;
   p.n = n;
   p.fmt = wire(bits, group_size, dtype);
+  p.header = headers && p.fmt.quantized() ? kHeaderBytes : 0;
+  p.call_check = headers ? (world + 1) * kCallHeaderBytes : 0;
   return p;
 }
 

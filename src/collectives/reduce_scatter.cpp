@@ -1,16 +1,15 @@
 // qgZ reduce-scatter: per pipeline stage, one slice of every partition goes through
 // encode -> all-to-all -> [fused dequantize-reduce-quantize -> all-to-all] -> dequantize-
-// reduce into the output. Stages are independent, so a transport may overlap stage s's
-// inter-node hop with stage s+1's intra-node hop.
-#include <condition_variable>
-#include <exception>
-#include <mutex>
-#include <thread>
+// reduce into the output. Stages are independent, so the lanes (lanes.h) overlap stage s's
+// inter-node hop with stage s+1's intra-node hop. Every slot carries a header
+// (wire_header.h) when the plan asks for one; received headers are checked before decoding.
+#include <memory>
 
 #include "qcoll/collectives.h"
-#include "qcoll/lanes.h"
 #include "qcoll/error.h"
+#include "qcoll/lanes.h"
 #include "qcoll/wire.h"
+#include "qcoll/wire_header.h"
 
 namespace qcoll {
 
@@ -22,12 +21,38 @@ char* element(void* base, int64_t index, DType dtype) {
   return static_cast<char*>(base) + index * static_cast<int64_t>(dtype_size(dtype));
 }
 
-// Encode slice s of every partition into the stage's first send buffer.
-void encode_stage(const ReduceScatterPlan& p, int32_t s, const CollectiveBuffers& b, DType dtype,
-                  const Device& device) {
+// What every stage of one call shares.
+struct Call {
+  const ReduceScatterPlan& p;
+  const CollectiveBuffers& b;
+  DType dtype;
+  ReduceOp op;
+  Traffic& traffic;
+  uint32_t sequence;
+};
+
+// Stamp `count` slots of stage s, exchange `e`, and count the headers sent to peers.
+void stamp(const Call& c, int32_t s, Exchange e, const WireFormat& fmt, uint8_t* slots,
+           int64_t stride, int64_t count, int32_t sender, int64_t headers_to_peers) {
+  if (!c.p.header) return;
+  write_headers(slots, stride, count, make_header(e, fmt, c.p.slice_len(s), c.sequence, s, sender));
+  c.traffic.header_bytes += c.p.header * headers_to_peers;
+}
+
+template <typename SenderOf>
+void verify(const Call& c, int32_t s, Exchange e, const WireFormat& fmt, const uint8_t* slots,
+            int64_t stride, int64_t count, SenderOf sender_of, int32_t self) {
+  if (!c.p.header) return;
+  check_headers(slots, stride, count, make_header(e, fmt, c.p.slice_len(s), c.sequence, s, 0),
+                sender_of, self);
+}
+
+// Encode slice s of every partition into the stage's first send slots.
+void encode_stage(const Call& c, int32_t s, const Device& device) {
+  const ReduceScatterPlan& p = c.p;
   EncodeArgs e;
-  e.input = b.input.ptr;
-  e.dtype = dtype;
+  e.input = c.b.input.ptr;
+  e.dtype = c.dtype;
   e.partition_elems = p.n;
   e.slice_begin = p.slice_begin(s);
   e.len = p.slice_len(s);
@@ -35,128 +60,99 @@ void encode_stage(const ReduceScatterPlan& p, int32_t s, const CollectiveBuffers
   e.node_size = p.two_hop ? p.node_size : 0;  // Algorithm 2: group chunks by local peer
   e.nodes = p.nodes;
   e.fmt = p.first;
-  e.output = bytes(b.workspace.at(p.send1(s)));
+  e.output = bytes(c.b.workspace.at(p.send1(s) + p.header));
   e.chunk_stride = p.first_chunk(s);
   e.device = device;
   encode_chunks(e);
 }
 
-// Sum `sources` chunks (stride source_stride) at `in` into output slice s.
-void reduce_into_output(const ReduceScatterPlan& p, int32_t s, const uint8_t* in,
-                        const WireFormat& fmt, int32_t sources, int64_t source_stride,
-                        const CollectiveBuffers& b, DType dtype, ReduceOp op,
-                        const Device& device) {
+// Sum `sources` chunks (slot stride source_stride) at `slots` into output slice s.
+void reduce_into_output(const Call& c, int32_t s, const uint8_t* slots, const WireFormat& fmt,
+                        int32_t sources, int64_t source_stride, const Device& device) {
+  const ReduceScatterPlan& p = c.p;
   ReduceArgs r;
-  r.input = in;
+  r.input = slots + p.header;
   r.in_fmt = fmt;
   r.len = p.slice_len(s);
   r.sources = sources;
   r.source_stride = source_stride;
   r.outputs = 1;
-  r.divisor = op == ReduceOp::kAvg ? static_cast<float>(p.world) : 1.0f;
-  r.out_values = element(b.output.ptr, p.slice_begin(s), dtype);
-  r.out_dtype = dtype;
+  r.divisor = c.op == ReduceOp::kAvg ? static_cast<float>(p.world) : 1.0f;
+  r.out_values = element(c.b.output.ptr, p.slice_begin(s), c.dtype);
+  r.out_dtype = c.dtype;
   r.device = device;
   reduce_chunks(r);
 }
 
-void flat_stage(const ReduceScatterPlan& p, int32_t s, const CollectiveBuffers& b, DType dtype,
-                ReduceOp op, Communicator& world, const Device& device, Traffic& traffic) {
-  const int64_t chunk = p.first_chunk(s);
-  encode_stage(p, s, b, dtype, device);
-  world.all_to_all(b.workspace.at(p.send1(s)), b.workspace.at(p.recv1(s)), chunk, device,
-                   traffic);
-  reduce_into_output(p, s, bytes(b.workspace.at(p.recv1(s))), p.first, p.world, chunk, b, dtype,
-                     op, device);
+void flat_stage(const Call& c, int32_t s, Communicator& world, const Device& device) {
+  const ReduceScatterPlan& p = c.p;
+  const int64_t slot = p.first_chunk(s);
+  encode_stage(c, s, device);
+  stamp(c, s, Exchange::kFlat, p.first, bytes(c.b.workspace.at(p.send1(s))), slot, p.world,
+        world.rank(), p.world - 1);
+  world.all_to_all(c.b.workspace.at(p.send1(s)), c.b.workspace.at(p.recv1(s)), slot, device,
+                   c.traffic);
+  const uint8_t* recv = bytes(c.b.workspace.at(p.recv1(s)));
+  verify(c, s, Exchange::kFlat, p.first, recv, slot, p.world,
+         [](int64_t k) { return static_cast<int32_t>(k); }, world.rank());
+  reduce_into_output(c, s, recv, p.first, p.world, slot, device);
 }
 
-void intra_hop(const ReduceScatterPlan& p, int32_t s, const CollectiveBuffers& b, DType dtype,
-               Communicator& intra, const Device& device, Traffic& traffic) {
+void intra_hop(const Call& c, int32_t s, Communicator& intra, Communicator& inter,
+               const Device& device) {
+  const ReduceScatterPlan& p = c.p;
   const int64_t c1 = p.first_chunk(s);
-  encode_stage(p, s, b, dtype, device);
+  encode_stage(c, s, device);
+  stamp(c, s, Exchange::kIntraHop, p.first, bytes(c.b.workspace.at(p.send1(s))), c1, p.world,
+        intra.rank(), int64_t{p.nodes} * (p.node_size - 1));
   // Local peer j receives the nodes chunks of partitions j, j + node_size, ...
-  intra.all_to_all(b.workspace.at(p.send1(s)), b.workspace.at(p.recv1(s)), p.nodes * c1, device,
-                   traffic);
+  intra.all_to_all(c.b.workspace.at(p.send1(s)), c.b.workspace.at(p.recv1(s)), p.nodes * c1,
+                   device, c.traffic);
+  const uint8_t* recv = bytes(c.b.workspace.at(p.recv1(s)));
+  const int32_t nodes = p.nodes;
+  verify(c, s, Exchange::kIntraHop, p.first, recv, c1, p.world,
+         [nodes](int64_t k) { return static_cast<int32_t>(k / nodes); }, intra.rank());
   // For each node: sum the node_size local contributions, re-encode at the inter format.
+  uint8_t* send2 = bytes(c.b.workspace.at(p.send2(s)));
   ReduceArgs r;
-  r.input = bytes(b.workspace.at(p.recv1(s)));
+  r.input = recv + p.header;
   r.in_fmt = p.first;
   r.len = p.slice_len(s);
   r.sources = p.node_size;
   r.source_stride = p.nodes * c1;
   r.outputs = p.nodes;
   r.output_in_stride = c1;
-  r.out_wire = bytes(b.workspace.at(p.send2(s)));
+  r.out_wire = send2 + p.header;
   r.out_fmt = p.second;
   r.out_chunk_stride = p.second_chunk(s);
   r.device = device;
   reduce_chunks(r);
+  stamp(c, s, Exchange::kInterHop, p.second, send2, p.second_chunk(s), p.nodes, inter.rank(),
+        p.nodes - 1);
 }
 
-void inter_hop(const ReduceScatterPlan& p, int32_t s, const CollectiveBuffers& b, DType dtype,
-               ReduceOp op, Communicator& inter, const Device& device, Traffic& traffic) {
+void inter_hop(const Call& c, int32_t s, Communicator& inter, const Device& device) {
+  const ReduceScatterPlan& p = c.p;
   const int64_t c2 = p.second_chunk(s);
-  inter.all_to_all(b.workspace.at(p.send2(s)), b.workspace.at(p.recv2(s)), c2, device, traffic);
-  reduce_into_output(p, s, bytes(b.workspace.at(p.recv2(s))), p.second, p.nodes, c2, b, dtype,
-                     op, device);
+  inter.all_to_all(c.b.workspace.at(p.send2(s)), c.b.workspace.at(p.recv2(s)), c2, device,
+                   c.traffic);
+  const uint8_t* recv = bytes(c.b.workspace.at(p.recv2(s)));
+  verify(c, s, Exchange::kInterHop, p.second, recv, c2, p.nodes,
+         [](int64_t k) { return static_cast<int32_t>(k); }, inter.rank());
+  reduce_into_output(c, s, recv, p.second, p.nodes, c2, device);
 }
 
-// CPU: intra hops in this thread, inter hops in a second one, so stage s's inter-node
-// exchange overlaps stage s+1's intra-node exchange; each lane blocks in its own
-// communicator.
-void two_hop_overlapped(const ReduceScatterPlan& p, const CollectiveBuffers& b, DType dtype,
-                        ReduceOp op, Communicator& intra, Communicator& inter,
-                        const Device& device, Traffic& traffic) {
-  std::mutex mutex;
-  std::condition_variable changed;
-  int32_t intra_done = 0;
-  bool failed = false;
-  std::exception_ptr inter_error;
-
-  std::thread inter_lane([&] {
-    try {
-      for (int32_t s = 0; s < p.stages; ++s) {
-        std::unique_lock<std::mutex> lock(mutex);
-        changed.wait(lock, [&] { return intra_done > s || failed; });
-        if (failed) return;
-        lock.unlock();
-        if (p.slice_len(s) > 0) inter_hop(p, s, b, dtype, op, inter, device, traffic);
-      }
-    } catch (...) {
-      inter_error = std::current_exception();
-    }
-  });
-
-  std::exception_ptr intra_error;
-  try {
-    for (int32_t s = 0; s < p.stages; ++s) {
-      if (p.slice_len(s) > 0) intra_hop(p, s, b, dtype, intra, device, traffic);
-      std::lock_guard<std::mutex> lock(mutex);
-      intra_done = s + 1;
-      changed.notify_one();
-    }
-  } catch (...) {
-    intra_error = std::current_exception();
-    std::lock_guard<std::mutex> lock(mutex);
-    failed = true;
-    changed.notify_one();
-  }
-  inter_lane.join();
-  if (intra_error) std::rethrow_exception(intra_error);
-  if (inter_error) std::rethrow_exception(inter_error);
-}
-
-// GPU: intra hops on one stream, inter hops on another, enqueued from this one thread in
-// the same order on every rank (so communicators cannot deadlock on each other).
-void two_hop_on_streams(const ReduceScatterPlan& p, const CollectiveBuffers& b, DType dtype,
-                        ReduceOp op, Communicator& intra, Communicator& inter,
-                        const Device& device, Traffic& traffic) {
-  std::unique_ptr<StreamLanes> lanes = make_stream_lanes(device);
-  for (int32_t s = 0; s < p.stages; ++s) {
+// The one 2-hop driver loop, for every kind of lanes. A failed inter lane stops the intra
+// lane; the lanes are joined before this returns or throws.
+void two_hop(const Call& c, Communicator& intra, Communicator& inter, const Device& device) {
+  const ReduceScatterPlan& p = c.p;
+  std::unique_ptr<Lanes> lanes =
+      make_lanes(device, p.stages, intra.uses_call_stream() && inter.uses_call_stream());
+  for (int32_t s = 0; s < p.stages && !lanes->failed(); ++s) {
     if (p.slice_len(s) == 0) continue;
-    intra_hop(p, s, b, dtype, intra, lanes->intra(), traffic);
-    lanes->inter_waits_for_intra();
-    inter_hop(p, s, b, dtype, op, inter, lanes->inter(), traffic);
+    intra_hop(c, s, intra, inter, lanes->intra());
+    Lanes& l = *lanes;
+    lanes->then_inter([&c, s, &inter, &l] { inter_hop(c, s, inter, l.inter()); });
   }
   lanes->join();
 }
@@ -165,33 +161,40 @@ void two_hop_on_streams(const ReduceScatterPlan& p, const CollectiveBuffers& b, 
 
 void reduce_scatter(const ReduceScatterPlan& p, const CollectiveBuffers& b, DType dtype,
                     ReduceOp op, Communicator& world, Communicator* intra, Communicator* inter,
-                    const Device& device, Traffic& traffic) {
+                    const Device& device, Traffic& traffic, uint32_t sequence) {
   QCOLL_CHECK(world.size() == p.world, "plan for ", p.world, " ranks, communicator of ",
               world.size());
   traffic.calls += 1;
+  if (p.call_check) {
+    CallHeader call;
+    call.kind = 2;
+    call.dtype = static_cast<uint8_t>(dtype);
+    call.first_bits = static_cast<uint8_t>(p.first.bits);
+    call.second_bits = static_cast<uint8_t>(p.two_hop ? p.second.bits : 0);
+    call.op = static_cast<uint8_t>(op);
+    call.two_hop = p.two_hop;
+    call.stages = static_cast<uint16_t>(p.stages);
+    call.group_size = p.first.quantized() || (p.two_hop && p.second.quantized())
+                          ? static_cast<uint32_t>(p.first.group_size) : 0;
+    call.sequence = sequence;
+    call.n = p.n;
+    check_call(world, b.workspace, call, device, traffic);
+  }
   if (!p.two_hop && !p.first.quantized()) {  // the baseline: the transport's reduce-scatter
     world.reduce_scatter(b.input, b.output, p.n, dtype, op, device, traffic);
     return;
   }
   if (p.n == 0) return;
+  const Call call{p, b, dtype, op, traffic, sequence};
   if (!p.two_hop) {
     for (int32_t s = 0; s < p.stages; ++s)
-      if (p.slice_len(s) > 0) flat_stage(p, s, b, dtype, op, world, device, traffic);
+      if (p.slice_len(s) > 0) flat_stage(call, s, world, device);
     return;
   }
   QCOLL_CHECK(intra && inter && intra->size() == p.node_size && inter->size() == p.nodes,
               "two-hop reduce-scatter needs intra-node (", p.node_size,
               " ranks) and inter-node (", p.nodes, " ranks) communicators");
-  if (p.stages > 1 && device.kind == DeviceKind::kCPU)
-    return two_hop_overlapped(p, b, dtype, op, *intra, *inter, device, traffic);
-  if (p.stages > 1 && device.kind == DeviceKind::kCUDA && intra->uses_call_stream() &&
-      inter->uses_call_stream())
-    return two_hop_on_streams(p, b, dtype, op, *intra, *inter, device, traffic);
-  for (int32_t s = 0; s < p.stages; ++s) {
-    if (p.slice_len(s) == 0) continue;
-    intra_hop(p, s, b, dtype, *intra, device, traffic);
-    inter_hop(p, s, b, dtype, op, *inter, device, traffic);
-  }
+  two_hop(call, *intra, *inter, device);
 }
 
 Traffic& allgather_traffic() {

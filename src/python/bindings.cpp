@@ -13,6 +13,7 @@
 #include "qcoll/kernels.h"
 #include "qcoll/nccl_api.h"
 #include "qcoll/wire.h"
+#include "qcoll/wire_header.h"
 #include "torch_comm.h"
 #if defined(QCOLL_WITH_CUDA)
 #include "comm/nccl_comm.h"
@@ -142,8 +143,16 @@ py::dict traffic_dict(const qcoll::Traffic& t) {
   d["calls"] = t.calls.load();
   d["intra_bytes"] = t.intra_bytes.load();
   d["inter_bytes"] = t.inter_bytes.load();
+  d["header_bytes"] = t.header_bytes.load();
   return d;
 }
+
+// Adds a call's traffic to the process-wide counters however the call ends.
+struct Counted {
+  qcoll::Traffic& call;
+  qcoll::Traffic& total;
+  ~Counted() { total.add(call); }
+};
 
 void bind_collectives(py::module_& m) {
   using qcoll::Communicator;
@@ -183,6 +192,8 @@ void bind_collectives(py::module_& m) {
   py::class_<qcoll::ReduceScatterPlan>(m, "ReduceScatterPlan")
       .def_readonly("two_hop", &qcoll::ReduceScatterPlan::two_hop)
       .def_readonly("stages", &qcoll::ReduceScatterPlan::stages)
+      .def_readonly("requested_stages", &qcoll::ReduceScatterPlan::requested_stages)
+      .def_readonly("header", &qcoll::ReduceScatterPlan::header)
       .def_readonly("slice", &qcoll::ReduceScatterPlan::slice)
       .def_property_readonly("first_bits", [](const qcoll::ReduceScatterPlan& p) { return p.first.bits; })
       .def_property_readonly("second_bits", [](const qcoll::ReduceScatterPlan& p) { return p.second.bits; })
@@ -193,50 +204,64 @@ void bind_collectives(py::module_& m) {
   m.def(
       "plan_reduce_scatter",
       [](int world, int node_size, int64_t n, int dtype, int intra_bits, int inter_bits,
-         int64_t group_size, int stages, int hierarchical) {
+         int64_t group_size, int stages, int hierarchical, bool headers, int64_t min_stage_bytes) {
         return qcoll::plan_reduce_scatter(world, node_size, n, static_cast<qcoll::DType>(dtype),
-                                          intra_bits, inter_bits, group_size, stages, hierarchical);
+                                          intra_bits, inter_bits, group_size, stages, hierarchical,
+                                          headers, min_stage_bytes);
       },
       py::arg("world"),
         py::arg("node_size"), py::arg("n"), py::arg("dtype"), py::arg("intra_bits"),
-        py::arg("inter_bits"), py::arg("group_size"), py::arg("stages"), py::arg("hierarchical"));
+        py::arg("inter_bits"), py::arg("group_size"), py::arg("stages"), py::arg("hierarchical"),
+        py::arg("headers") = false, py::arg("min_stage_bytes") = qcoll::kMinPipelineStageBytes);
   py::class_<qcoll::AllGatherPlan>(m, "AllGatherPlan")
       .def_property_readonly("chunk", &qcoll::AllGatherPlan::chunk)
+      .def_readonly("header", &qcoll::AllGatherPlan::header)
       .def_property_readonly("workspace_bytes", &qcoll::AllGatherPlan::workspace_bytes);
   m.def(
       "plan_all_gather",
-      [](int world, int64_t n, int dtype, int bits, int64_t group_size) {
-        return qcoll::plan_all_gather(world, n, static_cast<qcoll::DType>(dtype), bits, group_size);
+      [](int world, int64_t n, int dtype, int bits, int64_t group_size, bool headers) {
+        return qcoll::plan_all_gather(world, n, static_cast<qcoll::DType>(dtype), bits, group_size,
+                                      headers);
       },
       py::arg("world"), py::arg("n"),
-        py::arg("dtype"), py::arg("bits"), py::arg("group_size"));
+        py::arg("dtype"), py::arg("bits"), py::arg("group_size"), py::arg("headers") = false);
+
+  // One call's own byte counts (a Work's traffic); added to the process-wide counters
+  // when the call ends, failed or not.
+  py::class_<qcoll::Traffic>(m, "Traffic")
+      .def(py::init<>())
+      .def("as_dict", &traffic_dict);
 
   m.def(
       "all_gather",
       [](const qcoll::AllGatherPlan& plan, Communicator& comm, int dtype, uintptr_t input,
          uintptr_t output, uintptr_t workspace, int device_kind, int device_index,
-         uintptr_t stream) {
+         uintptr_t stream, qcoll::Traffic& traffic, uint32_t sequence) {
+        Counted counted{traffic, qcoll::allgather_traffic()};
         qcoll::all_gather(plan, collective_buffers(input, output, workspace),
                           static_cast<qcoll::DType>(dtype), comm,
-                          device(device_kind, device_index, stream), qcoll::allgather_traffic());
+                          device(device_kind, device_index, stream), traffic, sequence);
       },
       py::call_guard<py::gil_scoped_release>(), py::arg("plan"), py::arg("comm"),
       py::arg("dtype"), py::arg("input"), py::arg("output"), py::arg("workspace"),
-      py::arg("device_kind"), py::arg("device_index"), py::arg("stream"));
+      py::arg("device_kind"), py::arg("device_index"), py::arg("stream"), py::arg("traffic"),
+      py::arg("sequence"));
   m.def(
       "reduce_scatter",
       [](const qcoll::ReduceScatterPlan& plan, Communicator& world, Communicator* intra,
          Communicator* inter, int dtype, int op, uintptr_t input, uintptr_t output,
-         uintptr_t workspace, int device_kind, int device_index, uintptr_t stream) {
+         uintptr_t workspace, int device_kind, int device_index, uintptr_t stream,
+         qcoll::Traffic& traffic, uint32_t sequence) {
+        Counted counted{traffic, qcoll::reduce_scatter_traffic()};
         qcoll::reduce_scatter(plan, collective_buffers(input, output, workspace),
                               static_cast<qcoll::DType>(dtype), static_cast<qcoll::ReduceOp>(op),
                               world, intra, inter, device(device_kind, device_index, stream),
-                              qcoll::reduce_scatter_traffic());
+                              traffic, sequence);
       },
       py::call_guard<py::gil_scoped_release>(), py::arg("plan"), py::arg("world"),
       py::arg("intra").none(true), py::arg("inter").none(true), py::arg("dtype"), py::arg("op"),
       py::arg("input"), py::arg("output"), py::arg("workspace"), py::arg("device_kind"),
-      py::arg("device_index"), py::arg("stream"));
+      py::arg("device_index"), py::arg("stream"), py::arg("traffic"), py::arg("sequence"));
   m.def("stats", []() {
     py::dict d;
     d["allgather"] = traffic_dict(qcoll::allgather_traffic());
@@ -293,4 +318,6 @@ PYBIND11_MODULE(_C, m) {
   bind_collectives(m);
   m.attr("GROUP_SIZE_MULTIPLE") = qcoll::kGroupSizeMultiple;
   m.attr("MAX_GROUP_SIZE") = qcoll::kMaxGroupSize;
+  m.attr("MIN_PIPELINE_STAGE_BYTES") = qcoll::kMinPipelineStageBytes;
+  m.attr("WIRE_HEADER_BYTES") = qcoll::kHeaderBytes;
 }

@@ -1,0 +1,154 @@
+"""The worker thread that runs a group's collectives, and the Work handle of each call.
+
+Every qcoll.Group (with its intra/inter sub-groups: one family) owns one CallQueue. Calls
+run on its thread in issue order, over ProcessGroups that qcoll created for itself, so a
+call never races the caller's own collectives, nor another family's. A call that fails
+in its transport (a peer died or timed out) leaves the family unusable: later calls raise
+at once instead of pairing with the wrong messages of other ranks. A call whose ranks
+disagree (ValueError, raised on every rank by the call check) leaves it usable."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Callable, Optional
+
+import torch
+
+from . import _C
+
+
+class CommunicationError(RuntimeError):
+    """A collective failed in its transport: a peer died, timed out or left the group
+    unusable. The message names the qcoll call and the exchange that failed."""
+
+
+class Work:
+    """Handle of an async_op=True call.
+
+    CPU: the call runs on the group's worker thread; wait() blocks until it has run and
+    re-raises its error. GPU: the call is ordered on the caller's stream; wait() makes the
+    current stream wait for it (the host is never blocked)."""
+
+    def __init__(self, future: Optional[Future] = None, traffic=None,
+                 event: Optional["torch.cuda.Event"] = None, keep_alive=()):
+        self._future = future
+        self._traffic = traffic
+        self._event = event
+        self._keep_alive = keep_alive  # tensors the device may still be using
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait for the call (CPU) or order the current stream after it (GPU). timeout:
+        seconds to block at most (CPU); the call itself is bounded by its group's timeout."""
+        if self._future is not None:
+            self._future.result(timeout)
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        return True
+
+    def is_completed(self) -> bool:
+        if self._future is not None:
+            return self._future.done()
+        return self._event is None or self._event.query()
+
+    def exception(self) -> Optional[BaseException]:
+        """The call's error once it has completed (None if it succeeded or is running)."""
+        if self._future is None or not self._future.done():
+            return None
+        return self._future.exception()
+
+    @property
+    def traffic(self) -> dict:
+        """This call's own bytes, by qcoll.stats()'s rule (complete once the call is)."""
+        return self._traffic.as_dict() if self._traffic is not None else {}
+
+
+def new_traffic():
+    return _C.Traffic()
+
+
+class CallQueue:
+    """One daemon thread running submitted calls in order. It holds no reference to its
+    Group, so a dropped Group is freed (and its finalizer closes the queue)."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._tasks: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._failure: Optional[str] = None
+        self._closed = False
+
+    def submit(self, run: Callable[[], None], describe: str) -> Future:
+        """Queue `run`; its error (wrapped to name `describe`) is set on the Future."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{describe}: the group was closed")
+            if self._failure is not None:
+                raise CommunicationError(f"{describe}: the group is unusable after an earlier "
+                                         f"failure ({self._failure}); create a new group")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            future: Future = Future()
+            self._tasks.put((future, run, describe))
+        return future
+
+    def drain(self) -> None:
+        """Wait until every call queued so far has run."""
+        with self._lock:
+            running = self._thread is not None and not self._closed
+        if running:
+            done: Future = Future()
+            self._tasks.put((done, lambda: None, "drain"))
+            done.result()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is not None:
+            self._tasks.put(None)
+            if thread is not threading.current_thread():
+                thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._tasks.get()
+            if item is None:
+                return
+            future, run, describe = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            if self._failure is not None and describe != "drain":
+                future.set_exception(CommunicationError(
+                    f"{describe}: not run, the group failed earlier ({self._failure})"))
+                continue
+            try:
+                run()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                error = _named(exc, describe)
+                if describe != "drain" and not isinstance(exc, ValueError):
+                    self._failure = f"{describe}: {type(exc).__name__}"
+                future.set_exception(error)
+            else:
+                future.set_result(None)
+            del run, item  # the call's tensors are released as soon as it has run
+
+
+def _named(exc: BaseException, describe: str) -> BaseException:
+    """The worker's error, re-raised in wait() with the qcoll call it belongs to."""
+    if isinstance(exc, CommunicationError):
+        error: BaseException = CommunicationError(f"{describe} failed: {exc}")
+    elif isinstance(exc, ValueError):  # ranks disagree (wire header check)
+        error = ValueError(f"{describe}: {exc}")
+    elif isinstance(exc, Exception):
+        error = CommunicationError(f"{describe} failed: {type(exc).__name__}: {exc}")
+    else:
+        return exc
+    error.__cause__ = exc
+    return error
