@@ -110,6 +110,17 @@ def test_train_zero3_under_torchrun_on_two_nodes(cluster):
     assert "ZeRO++" in text and "cross-node bytes / step" in text, text[-3000:]
 
 
+def test_train_fsdp2_under_torchrun_on_two_nodes(cluster):
+    # No --node-size: the world's layout is the launcher's, the hpZ sub-groups' their hosts'.
+    outs = _torchrun(cluster, ["examples/train_fsdp2.py", "--steps", "5", "--log-every", "5"],
+                     "qcoll-fsdp2")
+    for node, (code, out) in enumerate(outs):
+        assert code == 0, f"node {node} failed:\n{out[-3000:]}"
+    text = "".join(out for _, out in outs)
+    assert "4 ranks as 2 node(s) x 2" in text, text[-3000:]
+    assert "FSDP2 + qcoll" in text and "cross-node bytes / step" in text, text[-3000:]
+
+
 def test_examples_refuse_node_size_under_a_launcher():
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     for script in ("examples/collectives_demo.py", "examples/train_zero3.py"):

@@ -2,21 +2,21 @@
 backward all-gather (hpZ's in-node gather from the secondary shard, or the forward one
 again) and the gradient reduce-scatter (qgZ or baseline).
 
-Bytes are counted per call from the plan the call uses (qcoll.stats' rule, computed once per
-buffer), so the counts stay right when calls run asynchronously and interleave. Host time
-spent issuing and waiting on each kind of call is kept too (the zero suite's breakdown).
+Bytes are charged per call from the call's own Work.traffic (the C++ core counts them by
+qcoll.stats' rule), so the counts stay right when calls run asynchronously and interleave.
+Host time spent issuing and waiting on each kind of call is kept too (the zero suite's
+breakdown).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 
 from .. import collectives as qc
 from ..group import Group
-from ..stats import allgather_traffic, reduce_scatter_traffic
 from .config import ZeroConfig
 from .flat_param import FlatParam
 
@@ -36,16 +36,22 @@ class EngineCollectives:
         self.hpz_group = hpz_group
         self.counters = {c: dict.fromkeys(_FIELDS, 0) for c in CATEGORIES}
         self.seconds = {"gather": 0.0, "reduce_scatter": 0.0}
-        self._traffic: Dict[Tuple[int, str], dict] = {}
+        self._uncharged: List[tuple] = []  # (category, Work) whose bytes are not counted yet
         self._pending_reduce: List[tuple] = []  # (flat, shard, work) of reduce-scatters in flight
 
     # ---- accounting ----------------------------------------------------------------------
-    def _count(self, category: str, flat: FlatParam, traffic_fn) -> None:
-        key = (flat.index, category)
-        if key not in self._traffic:
-            self._traffic[key] = traffic_fn()
-        for field, value in self._traffic[key].items():
-            self.counters[category][field] += value
+    def _issued(self, category: str, work):
+        """Charge a call's bytes to `category` (once it completes; see _settle)."""
+        self._uncharged.append((category, work))
+        self._settle(wait=False)
+        return work
+
+    def _settle(self, wait: bool) -> None:
+        while self._uncharged and (wait or _completed(self._uncharged[0][1])):
+            category, work = self._uncharged.pop(0)
+            work.wait()
+            for field in _FIELDS:
+                self.counters[category][field] += work.traffic[field]
 
     def timed(self, kind: str, fn):
         start = time.perf_counter()
@@ -60,10 +66,8 @@ class EngineCollectives:
 
     def gather_forward(self, flat: FlatParam):
         bits, gs = self._forward_bits(), self.config.group_size
-        self._count("forward_allgather", flat, lambda: allgather_traffic(
-            flat.shard_numel, flat.compute_dtype, self.group, bits=bits, group_size=gs))
-        return self.timed("gather", lambda: qc.quantized_allgather(
-            flat.full, flat.compute_shard, self.group, bits=bits, group_size=gs, async_op=True))
+        return self._issued("forward_allgather", self.timed("gather", lambda: qc.quantized_allgather(
+            flat.full, flat.compute_shard, self.group, bits=bits, group_size=gs, async_op=True)))
 
     def keep_secondary(self, flat: FlatParam) -> None:
         """hpZ: keep this rank's part of the gathered weights for the backward gather."""
@@ -74,18 +78,14 @@ class EngineCollectives:
     def gather_backward(self, flat: FlatParam):
         if not self.config.hpz:
             bits, gs = self._forward_bits(), self.config.group_size  # the forward gather again
-            self._count("backward_allgather", flat, lambda: allgather_traffic(
-                flat.shard_numel, flat.compute_dtype, self.group, bits=bits, group_size=gs))
-            return self.timed("gather", lambda: qc.quantized_allgather(
-                flat.full, flat.compute_shard, self.group, bits=bits, group_size=gs, async_op=True))
+            return self._issued("backward_allgather", self.timed("gather", lambda: qc.quantized_allgather(
+                flat.full, flat.compute_shard, self.group, bits=bits, group_size=gs, async_op=True)))
         if flat.secondary is None:
             raise RuntimeError(f"qcoll.zero: hpZ backward gather of {flat.names[:3]} without a secondary "
                                "shard (its forward ran without gradients enabled)")
         # The secondary shard holds exactly the weights forward used; no re-quantization.
-        self._count("backward_allgather", flat, lambda: allgather_traffic(
-            flat.secondary.numel(), flat.compute_dtype, self.hpz_group, bits=None))
-        return self.timed("gather", lambda: qc.quantized_allgather(
-            flat.full, flat.secondary, self.hpz_group, bits=None, async_op=True))
+        return self._issued("backward_allgather", self.timed("gather", lambda: qc.quantized_allgather(
+            flat.full, flat.secondary, self.hpz_group, bits=None, async_op=True)))
 
     # ---- gradients -----------------------------------------------------------------------
     def reduce_grads(self, flat: FlatParam) -> None:
@@ -99,10 +99,8 @@ class EngineCollectives:
                           group_size=cfg.group_size, pipeline_stages=cfg.grad_pipeline_stages)
         else:
             kwargs = dict(intra_bits=None, inter_bits=None, hierarchical=False)
-        self._count("reduce_scatter", flat, lambda: reduce_scatter_traffic(
-            flat.shard_numel, grad.dtype, self.group, **kwargs))
-        work = self.timed("reduce_scatter", lambda: qc.quantized_reduce_scatter(
-            shard, grad, self.group, op="avg", async_op=True, **kwargs))
+        work = self._issued("reduce_scatter", self.timed("reduce_scatter", lambda: qc.quantized_reduce_scatter(
+            shard, grad, self.group, op="avg", async_op=True, **kwargs)))
         self._pending_reduce.append((flat, shard, grad, work))
         # Accumulate what has completed; keep at most MAX_REDUCES_IN_FLIGHT gradient buffers.
         while self._pending_reduce and (len(self._pending_reduce) > MAX_REDUCES_IN_FLIGHT
@@ -121,4 +119,5 @@ class EngineCollectives:
             self._finish_one()
 
     def stats(self) -> dict:
+        self._settle(wait=True)
         return {c: dict(v) for c, v in self.counters.items()}
