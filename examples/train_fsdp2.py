@@ -25,17 +25,16 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpt  # noqa: E402
+import launch  # noqa: E402
 
 import qcoll  # noqa: E402
 import qcoll.fsdp  # noqa: E402
@@ -114,7 +113,7 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    args.torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    args.torchrun = launch.launched()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.backend == "auto":
         args.backend = "nccl" if gpus else "gloo"
@@ -132,22 +131,6 @@ def parse_args(argv=None):
     args.nodes = args.ranks // ns
     args.ranks_per_node = ns
     return args
-
-
-def setup(rank, args, store=None):
-    if args.backend == "nccl":
-        gpus = torch.cuda.device_count()
-        if args.ranks > gpus:  # several ranks per GPU: one NCCL "host" per process
-            os.environ.update(NCCL_HOSTID=f"qhost{rank}", NCCL_NET="Socket", NCCL_SOCKET_IFNAME="lo",
-                              NCCL_MNNVL_ENABLE="0", NCCL_PAT_ENABLE="0")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % gpus)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
-    init = {} if args.torchrun else dict(init_method=f"file://{store}", rank=rank, world_size=args.ranks)
-    dist.init_process_group(args.backend, **init, **({"device_id": device} if device.type == "cuda" else {}))
-    return device
 
 
 def train(rank, args, device, language, cfg, mode, progress=None):
@@ -183,10 +166,10 @@ def train(rank, args, device, language, cfg, mode, progress=None):
         inter.append(row[:-1])
         if progress:
             progress.update(task, advance=1, info=f"loss {losses[-1]:.4f}  {1e3 * times[-1]:6.1f} ms  "
-                                                  f"{_fmt_bytes(sum(inter[-1]))}/step across nodes")
+                                                  f"{launch.fmt_bytes(sum(inter[-1]))}/step across nodes")
             if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
                 progress.console.print(f"{name:14s} step {step + 1:4d}  loss {losses[-1]:.4f}  "
-                                       f"step {1e3 * times[-1]:6.1f} ms  cross-node {_fmt_bytes(sum(inter[-1]))}/step")
+                                       f"step {1e3 * times[-1]:6.1f} ms  cross-node {launch.fmt_bytes(sum(inter[-1]))}/step")
     tail = min(10, len(losses))
     later = inter[1:] or inter
     return dict(name=name, final_loss=sum(losses[-tail:]) / tail, losses=losses,
@@ -195,7 +178,7 @@ def train(rank, args, device, language, cfg, mode, progress=None):
 
 
 def worker(rank, args, store=None):
-    device = setup(rank, args, store)
+    device = launch.setup(rank, args.ranks, args.backend, store)
     rank = dist.get_rank()
     language = gpt.MarkovLanguage(args.vocab, seed=args.seed)
     cfg = gpt.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
@@ -203,7 +186,6 @@ def worker(rank, args, store=None):
     console = progress = None
     if rank == 0:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         console = Console()
         n_params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
@@ -213,9 +195,7 @@ def worker(rank, args, store=None):
                       f"{args.dtype} params, fp32 reduce; batch {args.batch} x {args.seq} tokens per rank")
         console.print(f"loss: ln(vocab) = {math.log(args.vocab):.3f} at the start, "
                       f"the language's entropy rate {language.entropy:.3f} at best")
-        progress = Progress(TextColumn("{task.description:14s}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console,
-                            transient=True)
+        progress = launch.progress_bar(console, width=14)
         progress.start()
     modes = {"both": ("default", "qcoll"), "default": ("default",), "qcoll": ("qcoll",)}[args.runs]
     results = []
@@ -232,48 +212,22 @@ def worker(rank, args, store=None):
 
 
 # ---- report -----------------------------------------------------------------------------
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
 def report(console, results, args):
-    from rich.table import Table
-
-    table = Table(title=f"{args.steps} steps, {args.ranks} ranks ({args.nodes} nodes x {args.ranks_per_node}), "
-                        f"{args.dtype} params; bytes: mean per rank per step sent to other nodes")
-    table.add_column("")
-    for r in results:
-        table.add_column(r["name"], justify="right")
-    if len(results) == 2:
-        table.add_column("ratio", justify="right")
-
-    def row(label, values, fmt):
-        cells = [fmt(v) for v in values]
-        if len(values) == 2:
-            cells.append(f"{values[1] / values[0]:.3f}" if values[0] else "-")
-        table.add_row(label, *cells)
-
-    row("final loss (mean of last 10)", [r["final_loss"] for r in results], lambda v: f"{v:.4f}")
-    row("cross-node bytes / step", [sum(r["inter"]) for r in results], _fmt_bytes)
-    for i, phase in enumerate(PHASES):
-        row(f"  {phase.replace('_', ' ')}", [r["inter"][i] for r in results], _fmt_bytes)
-    row("step time (median)", [r["step_ms"] for r in results], lambda v: f"{v:.1f} ms")
-    console.print(table)
+    fmt = launch.fmt_bytes
+    rows = [("final loss (mean of last 10)", [r["final_loss"] for r in results], lambda v: f"{v:.4f}"),
+            ("cross-node bytes / step", [sum(r["inter"]) for r in results], fmt)]
+    rows += [(f"  {p.replace('_', ' ')}", [r["inter"][i] for r in results], fmt) for i, p in enumerate(PHASES)]
+    rows.append(("step time (median)", [r["step_ms"] for r in results], lambda v: f"{v:.1f} ms"))
+    console.print(launch.comparison_table(
+        f"{args.steps} steps, {args.ranks} ranks ({args.nodes} nodes x {args.ranks_per_node}), {args.dtype} "
+        "params; bytes: mean per rank per step sent to other nodes", results, rows))
     if args.backend == "gloo":
         console.print("Step times: local processes on shared CPU cores, loopback links; the bytes are what a "
                       "cluster would carry between nodes.")
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.torchrun:
-        worker(int(os.environ["RANK"]), args)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.ranks, join=True)
+    launch.run(worker, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -35,16 +35,15 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import gpt  # noqa: E402
+import launch  # noqa: E402
 
 import qcoll  # noqa: E402
 from qcoll.zero import ZeroConfig, ZeroEngine  # noqa: E402
@@ -89,7 +88,7 @@ def parse_args(argv=None):
         p.error("--backend nccl needs a GPU")
     if args.qcoll_backend == "nccl" and args.backend != "nccl":
         p.error("--qcoll-backend nccl needs GPUs (--backend nccl)")
-    args.launched = launched()
+    args.launched = launch.launched()
     if args.launched:
         if args.ranks is not None or args.node_size is not None:
             p.error("under torchrun the launcher sets the ranks and the node layout: drop --ranks/--node-size")
@@ -113,29 +112,6 @@ def parse_args(argv=None):
 
 
 # ---- one rank ----------------------------------------------------------------------------
-def launched() -> bool:
-    """True when a launcher (torchrun) started this process as one rank."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def setup(rank, args, store):
-    if args.backend == "nccl":
-        gpus = torch.cuda.device_count()
-        if args.ranks > gpus:  # several ranks per GPU: one NCCL "host" per process
-            os.environ.update(NCCL_HOSTID=f"qhost{rank}", NCCL_NET="Socket", NCCL_SOCKET_IFNAME="lo",
-                              NCCL_MNNVL_ENABLE="0", NCCL_PAT_ENABLE="0")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % gpus)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.ranks))
-    rendezvous = ({} if store is None  # torchrun: the launcher's rendezvous (env://)
-                  else dict(init_method=f"file://{store}", rank=rank, world_size=args.ranks))
-    dist.init_process_group(args.backend, **rendezvous,
-                            **({"device_id": device} if device.type == "cuda" else {}))
-    return device
-
-
 def train(rank, args, device, group, language, cfg, name, techniques, progress=None):
     torch.manual_seed(args.seed)
     model = gpt.GPT(cfg).to(device)
@@ -169,10 +145,10 @@ def train(rank, args, device, group, language, cfg, name, techniques, progress=N
         inter.append(sent[:-1])
         if progress:
             progress.update(task, advance=1, info=f"loss {losses[-1]:.4f}  {1e3 * times[-1]:6.1f} ms  "
-                                                  f"{_fmt_bytes(sum(inter[-1]))}/step across nodes")
+                                                  f"{launch.fmt_bytes(sum(inter[-1]))}/step across nodes")
             if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
                 progress.console.print(f"{name:8s} step {step + 1:4d}  loss {losses[-1]:.4f}  "
-                                       f"step {1e3 * times[-1]:6.1f} ms  cross-node {_fmt_bytes(sum(inter[-1]))}/step")
+                                       f"step {1e3 * times[-1]:6.1f} ms  cross-node {launch.fmt_bytes(sum(inter[-1]))}/step")
     tail = min(10, len(losses))
     return dict(name=name, final_loss=sum(losses[-tail:]) / tail, losses=losses,
                 step_ms=1e3 * statistics.median(times[1:] or times),
@@ -181,7 +157,7 @@ def train(rank, args, device, group, language, cfg, name, techniques, progress=N
 
 
 def worker(rank, args, store):
-    device = setup(rank, args, store)
+    device = launch.setup(rank, args.ranks, args.backend, store)
     group = qcoll.new_group(node_size=None if args.launched else args.node_size,  # launcher: LOCAL_WORLD_SIZE
                             backend=None if args.qcoll_backend == "auto" else args.qcoll_backend)
     language = gpt.MarkovLanguage(args.vocab, seed=args.seed)
@@ -190,7 +166,6 @@ def worker(rank, args, store):
     console = progress = None
     if rank == 0:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         console = Console()
         n_params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
@@ -200,9 +175,7 @@ def worker(rank, args, store):
                       f"batch {args.batch} x {args.seq} tokens per rank")
         console.print(f"loss: ln(vocab) = {math.log(args.vocab):.3f} at the start, "
                       f"the language's entropy rate {language.entropy:.3f} at best")
-        progress = Progress(TextColumn("{task.description:8s}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), TextColumn("{task.fields[info]}"), console=console,
-                            transient=True)
+        progress = launch.progress_bar(console)
         progress.start()
     results = []
     try:
@@ -218,50 +191,24 @@ def worker(rank, args, store):
 
 
 # ---- report ------------------------------------------------------------------------------
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
 def report(console, results, args):
-    from rich.table import Table
-
-    table = Table(title=f"{args.steps} steps, {args.ranks} ranks ({args.ranks // args.node_size} nodes x "
-                        f"{args.node_size}), {args.dtype}; bytes: mean per rank per step sent to other nodes")
-    table.add_column("")
-    for r in results:
-        table.add_column(r["name"], justify="right")
-    if len(results) == 2:
-        table.add_column("ratio", justify="right")
-
-    def row(label, values, fmt):
-        cells = [fmt(v) for v in values]
-        if len(values) == 2:
-            cells.append(f"{values[1] / values[0]:.3f}" if values[0] else "-")
-        table.add_row(label, *cells)
-
-    row("final loss (mean of last 10)", [r["final_loss"] for r in results], lambda v: f"{v:.4f}")
-    row("cross-node bytes / step", [sum(r["inter"]) for r in results], _fmt_bytes)
-    for i, c in enumerate(CATEGORIES):
-        row(f"  {c.replace('_', ' ')}", [r["inter"][i] for r in results], _fmt_bytes)
-    row("step time (median)", [r["step_ms"] for r in results], lambda v: f"{v:.1f} ms")
+    fmt = launch.fmt_bytes
+    rows = [("final loss (mean of last 10)", [r["final_loss"] for r in results], lambda v: f"{v:.4f}"),
+            ("cross-node bytes / step", [sum(r["inter"]) for r in results], fmt)]
+    rows += [(f"  {c.replace('_', ' ')}", [r["inter"][i] for r in results], fmt) for i, c in enumerate(CATEGORIES)]
+    rows.append(("step time (median)", [r["step_ms"] for r in results], lambda v: f"{v:.1f} ms"))
     if any(r["skipped"] for r in results):
-        row("skipped steps (fp16 overflow)", [r["skipped"] for r in results], str)
-    console.print(table)
+        rows.append(("skipped steps (fp16 overflow)", [r["skipped"] for r in results], str))
+    console.print(launch.comparison_table(
+        f"{args.steps} steps, {args.ranks} ranks ({args.ranks // args.node_size} nodes x {args.node_size}), "
+        f"{args.dtype}; bytes: mean per rank per step sent to other nodes", results, rows))
     if args.backend == "gloo":
         console.print("Step times: local processes on shared CPU cores, loopback links; the bytes are what a "
                       "cluster would carry between nodes.")
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.launched:
-        worker(int(os.environ["RANK"]), args, None)
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(args, os.path.join(tmp, "store")), nprocs=args.ranks, join=True)
+    launch.run(worker, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def test_train_fsdp2_under_torchrun_on_two_nodes(cluster):
                      "qcoll-fsdp2")
     for node, (code, out) in enumerate(outs):
         assert code == 0, f"node {node} failed:\n{out[-3000:]}"
-    text = "".join(out for _, out in outs)
+    text = " ".join("".join(out for _, out in outs).split())  # rich wraps at the terminal width
     assert "4 ranks as 2 node(s) x 2" in text, text[-3000:]
     assert "FSDP2 + qcoll" in text and "cross-node bytes / step" in text, text[-3000:]
 
