@@ -2,10 +2,11 @@
 // switch only at __syncthreads and warp collectives, and the checks on every access.
 #include "emu/runtime.h"
 
+#include "emu/context.h"
+
 #include <dlfcn.h>
 #include <link.h>
 #include <sys/mman.h>
-#include <ucontext.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -37,7 +38,7 @@ constexpr unsigned kMaxThreads = 1024;
 enum class State { kRunnable, kBarrier, kShuffle, kExited };
 
 struct Fiber {
-  ucontext_t ctx;
+  Context ctx;
   unsigned char* stack = nullptr;  // kStackBytes usable, a guard page below
   unsigned tid = 0;
   State state = State::kRunnable;
@@ -81,7 +82,9 @@ struct Runtime {
   std::vector<Fiber> fibers;
   std::vector<unsigned char*> stacks;  // kept for the next launches
   Fiber* current = nullptr;
-  ucontext_t scheduler;
+  Context scheduler;
+  std::vector<unsigned> ready;  // runnable threads, and each thread's index in it (or -1)
+  std::vector<int> ready_at;
   std::string error;
   std::vector<std::vector<Collective>> warps;
   std::unordered_map<uintptr_t, ByteState> shared;
@@ -108,6 +111,7 @@ std::string where(const Runtime& r, const Fiber* f) {
 }
 
 void switch_to_scheduler(Fiber* f, bool for_good);
+void set_state(Runtime& r, Fiber& f, State s);
 
 // A check failed: in a fiber, the fiber stops for good and the launch throws; on the host,
 // it throws now.
@@ -161,7 +165,7 @@ void switch_to_scheduler(Fiber* f, bool for_good = false) {
   Runtime& r = rt();
   g_in_kernel = false;
   leaving_fiber(*f, for_good);
-  swapcontext(&f->ctx, &r.scheduler);
+  context_switch(f->ctx, r.scheduler);
   entered_fiber(*f);
   g_in_kernel = true;
 }
@@ -176,7 +180,7 @@ void fiber_main() {
     r.call->invoke(params);
   }
   Fiber* f = r.current;
-  f->state = State::kExited;
+  set_state(r, *f, State::kExited);
   // A lane that exits while a collective waits for it never arrives.
   for (const Collective& c : r.warps[f->tid / kWarp])
     if (c.mask >> (f->tid % kWarp) & 1u)
@@ -194,21 +198,35 @@ unsigned char* new_stack() {
   return static_cast<unsigned char*>(p) + kPage;
 }
 
+// Moves a thread into state `s`, keeping the ready list in step.
+void set_state(Runtime& r, Fiber& f, State s) {
+  const bool was = f.state == State::kRunnable, is = s == State::kRunnable;
+  f.state = s;
+  if (was == is) return;
+  if (is) {
+    r.ready_at[f.tid] = static_cast<int>(r.ready.size());
+    r.ready.push_back(f.tid);
+  } else {
+    const int at = r.ready_at[f.tid];
+    r.ready[at] = r.ready.back();
+    r.ready_at[r.ready[at]] = at;
+    r.ready.pop_back();
+    r.ready_at[f.tid] = -1;
+  }
+}
+
 void start_fiber(Fiber& f) {
   Runtime& r = rt();
-  f.state = State::kRunnable;
-  getcontext(&f.ctx);
-  f.ctx.uc_stack.ss_sp = f.stack;
-  f.ctx.uc_stack.ss_size = kStackBytes;
-  f.ctx.uc_link = &r.scheduler;
-  makecontext(&f.ctx, fiber_main, 0);
+  f.state = State::kExited;
+  set_state(r, f, State::kRunnable);
+  context_make(f.ctx, f.stack, kStackBytes, fiber_main);
 }
 
 void resume(Fiber& f) {
   Runtime& r = rt();
   r.current = &f;
   entering_fiber(f);
-  swapcontext(&r.scheduler, &f.ctx);
+  context_switch(r.scheduler, f.ctx);
   entered_host();
   r.current = nullptr;
   g_in_kernel = false;
@@ -216,17 +234,10 @@ void resume(Fiber& f) {
 
 // ---- scheduling -------------------------------------------------------------------------------
 Fiber* pick(Runtime& r, unsigned after) {
-  const unsigned n = r.nthreads;
-  if (r.config.schedule == Schedule::kRandom) {
-    unsigned runnable = 0;
-    for (const Fiber& f : r.fibers) runnable += f.state == State::kRunnable;
-    if (!runnable) return nullptr;
-    uint64_t k = r.rng() % runnable;
-    for (Fiber& f : r.fibers)
-      if (f.state == State::kRunnable && k-- == 0) return &f;
-  }
-  for (unsigned i = 0; i < n; ++i) {  // thread order, continuing after the last one run
-    Fiber& f = r.fibers[(after + i) % n];
+  if (r.ready.empty()) return nullptr;
+  if (r.config.schedule == Schedule::kRandom) return &r.fibers[r.ready[r.rng() % r.ready.size()]];
+  for (unsigned i = 0; i < r.nthreads; ++i) {  // thread order, continuing after the last one run
+    Fiber& f = r.fibers[(after + i) % r.nthreads];
     if (f.state == State::kRunnable) return &f;
   }
   return nullptr;
@@ -256,7 +267,7 @@ void settle(Runtime& r) {
                      " waits at " + site(barrier->file, barrier->line) + ", thread " +
                      std::to_string(f.tid) + " at " + site(f.file, f.line) + " (" +
                      where(r, nullptr) + ")");
-  for (Fiber& f : r.fibers) f.state = State::kRunnable;
+  for (Fiber& f : r.fibers) set_state(r, f, State::kRunnable);
   ++r.epoch;  // shared-memory accesses before the barrier no longer conflict
 }
 
@@ -266,6 +277,8 @@ void run_block(Runtime& r, uint3 block) {
   r.shared_written.clear();
   for (auto& w : r.warps) w.clear();
   ++r.epoch;
+  r.ready.clear();
+  std::fill(r.ready_at.begin(), r.ready_at.end(), -1);
   for (Fiber& f : r.fibers) start_fiber(f);
   unsigned after = 0;
   for (;;) {
@@ -364,14 +377,14 @@ void shared_access(Runtime& r, uintptr_t a, size_t bytes, bool write) {
   for (size_t i = 0; i < bytes; ++i) {
     ByteState& s = r.shared[a + i];
     if (s.epoch != r.epoch) s = ByteState{r.epoch};
-    const std::string at = "shared byte " + hex(a + i);
+    const auto at = [&] { return "shared byte " + hex(a + i); };
     if (!write && !r.shared_written.count(a + i))
-      fail("read of " + at + ", which no thread of the block has written");
+      fail("read of " + at() + ", which no thread of the block has written");
     if (s.writer >= 0 && s.writer != t)
-      fail(std::string("shared-memory race: ") + (write ? "write" : "read") + " of " + at +
+      fail(std::string("shared-memory race: ") + (write ? "write" : "read") + " of " + at() +
            " written by thread " + std::to_string(s.writer) + " since the last __syncthreads");
     if (write && s.reader >= 0 && (s.reader != t || s.many_readers))
-      fail("shared-memory race: write of " + at + " read by thread " +
+      fail("shared-memory race: write of " + at() + " read by thread " +
            std::to_string(s.reader != t ? s.reader : -1) + " (or others) since the last "
            "__syncthreads");
     if (write) {
@@ -417,8 +430,9 @@ dim3 block_dim() { return rt().call->block; }
 dim3 grid_dim() { return rt().call->grid; }
 
 void sync_threads(const char* file, int line) {
-  Fiber* f = rt().current;
-  f->state = State::kBarrier;
+  Runtime& r = rt();
+  Fiber* f = r.current;
+  set_state(r, *f, State::kBarrier);
   f->file = file;
   f->line = line;
   switch_to_scheduler(f);
@@ -429,26 +443,26 @@ uint64_t shfl_xor(unsigned mask, uint64_t value, int lane_mask, int width, const
   Runtime& r = rt();
   Fiber* f = r.current;
   const unsigned lane = f->tid % kWarp, warp = f->tid / kWarp;
-  const std::string op = "__shfl_xor_sync at " + site(file, line);
+  const auto op = [&] { return "__shfl_xor_sync at " + site(file, line); };
   if (!(mask >> lane & 1u))
-    fail(op + ": the calling lane " + std::to_string(lane) + " is not in mask " + hex(mask));
+    fail(op() + ": the calling lane " + std::to_string(lane) + " is not in mask " + hex(mask));
   if (width < 1 || width > kWarp || (width & (width - 1)))
-    fail(op + ": width " + std::to_string(width) + " is not a power of two up to 32");
+    fail(op() + ": width " + std::to_string(width) + " is not a power of two up to 32");
   const unsigned lanes_here = std::min<unsigned>(kWarp, r.nthreads - warp * kWarp);
   for (unsigned l = 0; l < kWarp; ++l) {
     if (!(mask >> l & 1u)) continue;
     if (l >= lanes_here)
-      fail(op + ": mask " + hex(mask) + " names lane " + std::to_string(l) +
+      fail(op() + ": mask " + hex(mask) + " names lane " + std::to_string(l) +
            ", which this block's last warp does not have");
     if (r.fibers[warp * kWarp + l].state == State::kExited)
-      fail(op + ": mask " + hex(mask) + " names lane " + std::to_string(l) + ", which has exited");
+      fail(op() + ": mask " + hex(mask) + " names lane " + std::to_string(l) + ", which has exited");
   }
   std::vector<Collective>& open = r.warps[warp];
   Collective* c = nullptr;
   for (Collective& o : open) {
     if (!(o.mask & mask)) continue;
     if (o.mask != mask || o.file != file || o.line != line)
-      fail(op + " with mask " + hex(mask) + " meets lane " + std::to_string(o.first_lane) +
+      fail(op() + " with mask " + hex(mask) + " meets lane " + std::to_string(o.first_lane) +
            "'s collective at " + site(o.file, o.line) + " with mask " + hex(o.mask) +
            " (masks must agree across the lanes they name)");
     c = &o;
@@ -458,7 +472,7 @@ uint64_t shfl_xor(unsigned mask, uint64_t value, int lane_mask, int width, const
     c = &open.back();
   }
   c->arrived |= 1u << lane;
-  f->state = State::kShuffle;
+  set_state(r, *f, State::kShuffle);
   f->file = file;
   f->line = line;
   f->mask = mask;
@@ -476,11 +490,11 @@ uint64_t shfl_xor(unsigned mask, uint64_t value, int lane_mask, int width, const
         dst.result = dst.value;
       } else {
         if (!(mask >> src & 1u))
-          fail(op + ": lane " + std::to_string(l) + " reads lane " + std::to_string(src) +
+          fail(op() + ": lane " + std::to_string(l) + " reads lane " + std::to_string(src) +
                ", which mask " + hex(mask) + " does not name");
         dst.result = r.fibers[warp * kWarp + src].value;
       }
-      dst.state = State::kRunnable;
+      set_state(r, dst, State::kRunnable);
     }
     open.erase(open.begin() + (c - open.data()));
   }
@@ -552,6 +566,8 @@ void run(const KernelCall& call) {
   r.nthreads = static_cast<unsigned>(threads);
   while (r.stacks.size() < threads) r.stacks.push_back(new_stack());
   r.fibers.assign(threads, Fiber{});
+  r.ready.clear();
+  r.ready_at.assign(threads, -1);
   for (unsigned t = 0; t < threads; ++t) {
     r.fibers[t].tid = t;
     r.fibers[t].stack = r.stacks[t];
