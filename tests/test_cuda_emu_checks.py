@@ -34,6 +34,11 @@ def test_block_sum_through_shared_memory_and_barriers(schedule):
     assert out == [256 * 257 // 2] * 768
 
 
+# Checks on each memory access (src/emu/access_hooks.cpp).
+ACCESS_CHECKS = {"shared_race", "shared_uninitialized", "misaligned_vector", "global_race",
+                 "out_of_bounds"}
+
+
 @pytest.mark.parametrize("name,message", [
     ("barrier_skipped", r"divergent __syncthreads: thread \d+ waits at selftest_kernels.cpp:\d+ "
                         r"but thread 5 exited without reaching it \(kernel barrier_skipped, "
@@ -50,15 +55,20 @@ def test_block_sum_through_shared_memory_and_barriers(schedule):
                              r"(3[2-9]|[4-6]\d)\)"),
     ("misaligned_vector", r"misaligned 16-byte load at 0x[0-9a-f]*4 \(the device requires 16-byte"
                           r" alignment\) \(kernel misaligned_vector, block \(0,0,0\), thread \d\)"),
+    ("global_race", r"global-memory race: (read|write) of byte \d+ of buffer 'out', written in "
+                    r"this launch by thread 0 of block [01] \(kernel global_race, block"),
     ("out_of_bounds", r"out-of-bounds global store of 4 bytes at 0x[0-9a-f]+; buffers: out=\[0x"
                       r"[0-9a-f]+, \+128\) \(kernel out_of_bounds, block \(0,0,0\), thread 31\)"),
 ])
 def test_each_check_fires(schedule, name, message):
+    if name in ACCESS_CHECKS and not EMU.ACCESS_CHECKS:
+        pytest.skip("the AddressSanitizer build checks accesses with ASan (tests/emu_asan.sh)")
     with pytest.raises(EMU.EmuError, match=message):
         EMU.selftest(name)
     EMU.selftest("block_sum")  # the emulator is usable after an error
 
 
+@pytest.mark.skipif(not EMU.ACCESS_CHECKS, reason="access checks are ASan's in this build")
 def test_shared_race_names_both_threads_in_thread_order():
     EmuBackend("ordered")
     with pytest.raises(EMU.EmuError, match=r"shared-memory race: read of shared byte 0x[0-9a-f]+ "

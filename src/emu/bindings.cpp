@@ -80,4 +80,12 @@ PYBIND11_MODULE(_cuda_emu, m) {
   m.def("selftest", &emu::run_selftest, py::arg("name"), py::arg("lane_mask") = 1,
         py::arg("width") = 32);
   m.attr("DEVICE_KIND") = static_cast<int>(qcoll::DeviceKind::kCUDA);
+  // The AddressSanitizer build (QCOLL_EMU_ASAN) replaces the access checks (alignment,
+  // shared and global races, registered bounds) by ASan's own; barriers and shuffles are
+  // checked either way.
+#if defined(__SANITIZE_ADDRESS__)
+  m.attr("ACCESS_CHECKS") = false;
+#else
+  m.attr("ACCESS_CHECKS") = true;
+#endif
 }

@@ -71,6 +71,9 @@ struct Collective {
 struct Runtime {
   Config config;
   std::vector<Buffer> buffers;
+  // Per buffer and byte: 1 + the launch-wide id of the thread that wrote it in this launch
+  // (0: none); sized on the first write of a launch, unused when blocks are sampled.
+  std::vector<std::vector<uint32_t>> writers;
   std::vector<LaunchRecord> launches;
   std::vector<std::pair<uintptr_t, size_t>> writes;
 
@@ -79,6 +82,8 @@ struct Runtime {
   std::string kernel;
   unsigned nthreads = 0;
   uint3 block{0, 0, 0};
+  uint64_t block_linear = 0;
+  bool sampled = false;  // a sample of the blocks runs: no global race tracking
   std::vector<Fiber> fibers;
   std::vector<unsigned char*> stacks;  // kept for the next launches
   Fiber* current = nullptr;
@@ -271,8 +276,9 @@ void settle(Runtime& r) {
   ++r.epoch;  // shared-memory accesses before the barrier no longer conflict
 }
 
-void run_block(Runtime& r, uint3 block) {
+void run_block(Runtime& r, uint3 block, uint64_t linear) {
   r.block = block;
+  r.block_linear = linear;
   r.shared.clear();
   r.shared_written.clear();
   for (auto& w : r.warps) w.clear();
@@ -356,6 +362,29 @@ const Buffer* buffer_of(const Runtime& r, uintptr_t a, size_t bytes) {
   return nullptr;
 }
 
+// Between two launches nothing orders the threads of one: a byte that one thread writes
+// must not be read or written by another thread in the same launch (atomics aside).
+void global_access(Runtime& r, const Buffer& b, uintptr_t a, size_t bytes, bool write) {
+  if (r.sampled) return;
+  std::vector<uint32_t>& w = r.writers[&b - r.buffers.data()];
+  if (w.empty()) {
+    if (!write) return;
+    w.assign(b.bytes, 0);
+  }
+  const uint32_t me = static_cast<uint32_t>(r.block_linear * r.nthreads + r.current->tid) + 1;
+  for (size_t i = 0; i < bytes; ++i) {
+    uint32_t& who = w[a - b.base + i];
+    if (who && who != me) {
+      const uint32_t other = who - 1;
+      fail("global-memory race: " + std::string(write ? "write" : "read") + " of byte " +
+           std::to_string(a - b.base + i) + " of buffer '" + b.name + "', written in this "
+           "launch by thread " + std::to_string(other % r.nthreads) + " of block " +
+           std::to_string(other / r.nthreads));
+    }
+    if (write) who = me;
+  }
+}
+
 std::string describe_buffers(const Runtime& r) {
   std::ostringstream os;
   for (const Buffer& b : r.buffers)
@@ -412,9 +441,11 @@ void on_access(const void* p, size_t bytes, bool write, bool natural) {
     fail("misaligned " + std::to_string(bytes) + "-byte " + (write ? "store" : "load") +
          " at " + hex(a) + " (the device requires " + std::to_string(bytes) + "-byte alignment)");
   if (a >= r.data_lo && a < r.data_hi) return shared_access(r, a, bytes, write);
-  if (!buffer_of(r, a, bytes))
+  const Buffer* b = buffer_of(r, a, bytes);
+  if (!b)
     fail("out-of-bounds global " + std::string(write ? "store" : "load") + " of " +
          std::to_string(bytes) + " bytes at " + hex(a) + "; buffers:" + describe_buffers(r));
+  global_access(r, *b, a, bytes, write);
   if (write) note_write(r, a, bytes);
 }
 
@@ -527,7 +558,10 @@ void host_memset(void* p, int value, size_t bytes) {
 // ---- configuration and launches ------------------------------------------------------------------
 void configure(const Config& c) { rt().config = c; }
 Config config() { return rt().config; }
-void set_buffers(std::vector<Buffer> buffers) { rt().buffers = std::move(buffers); }
+void set_buffers(std::vector<Buffer> buffers) {
+  rt().buffers = std::move(buffers);
+  rt().writers.clear();
+}
 
 std::vector<LaunchRecord> take_launches() { return std::move(rt().launches); }
 
@@ -577,13 +611,18 @@ void run(const KernelCall& call) {
   r.error.clear();
 
   const auto ids = blocks_to_run(r, blocks);
+  r.sampled = ids.size() < blocks;
+  r.writers.resize(r.buffers.size());
+  for (auto& w : r.writers) w.clear();
   struct Done {  // the launch is over, however it ends
     ~Done() { rt().call = nullptr; }
   } done;
   for (uint64_t b : ids)
-    run_block(r, uint3{static_cast<unsigned>(b % call.grid.x),
-                       static_cast<unsigned>(b / call.grid.x % call.grid.y),
-                       static_cast<unsigned>(b / (uint64_t{call.grid.x} * call.grid.y))});
+    run_block(r,
+              uint3{static_cast<unsigned>(b % call.grid.x),
+                    static_cast<unsigned>(b / call.grid.x % call.grid.y),
+                    static_cast<unsigned>(b / (uint64_t{call.grid.x} * call.grid.y))},
+              b);
   r.launches.push_back(LaunchRecord{r.kernel, call.grid, call.block,
                                     static_cast<int64_t>(ids.size())});
 }

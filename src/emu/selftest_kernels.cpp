@@ -85,6 +85,11 @@ __global__ void misaligned_vector(unsigned* out) {
   out[threadIdx.x] = u.x;
 }
 
+__global__ void global_race(unsigned* out) {
+  if (threadIdx.x == 0) out[blockIdx.x] = 1;
+  out[32 + blockIdx.x] = out[(blockIdx.x + 1) % gridDim.x];  // reads another block's store
+}
+
 __global__ void out_of_bounds(unsigned* out) { out[threadIdx.x + 1] = 1; }  // one past the end
 
 struct Case {
@@ -107,6 +112,7 @@ std::vector<unsigned> run_selftest(const std::string& name, int lane_mask, int w
       {"shared_race", {[](unsigned* o) { launch<shared_race>(1, 32, o); }, 32}},
       {"shared_uninitialized", {[](unsigned* o) { launch<shared_uninitialized>(1, 64, o); }, 64}},
       {"misaligned_vector", {[](unsigned* o) { launch<misaligned_vector>(1, 4, o); }, 32}},
+      {"global_race", {[](unsigned* o) { launch<global_race>(2, 1, o); }, 64}},
       {"out_of_bounds", {[](unsigned* o) { launch<out_of_bounds>(1, 32, o); }, 32}},
   };
   const auto it = cases.find(name);
