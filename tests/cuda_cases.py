@@ -67,11 +67,12 @@ QUANTIZE_UNALIGNED = _params(
     [(_dt(d), b, "sym" if s else "asym", m, off) for d in DTYPES for b in (4, 8)
      for s in (True, False) for m in MODE_IDS[:2] for off in (1, 2, 3, 5, 7)])
 
-# Past the grid cap (65536 blocks): the launch is capped and blocks loop (grid stride).
-# (kernel, dtype, bits, group size, numel)
+# Past the grid cap (65536 blocks of 256 threads): the launch is capped and blocks loop
+# (grid stride); the work past 65536 x 256 packets (dequantize) or one-lane teams (quantize
+# with groups of 8) falls to blocks 0 and 1. (kernel, dtype, bits, group size, numel)
 PAST_GRID_CAP = [
-    pytest.param("dequantize", torch.bfloat16, 4, 256, (1 << 27) + 8 * 1000 + 3, id="dequant"),
-    pytest.param("quantize", torch.bfloat16, 4, 8, (1 << 27) + 8 * 700 + 5, id="quant-team1"),
+    pytest.param("dequantize", torch.bfloat16, 4, 256, (1 << 27) + 8 * 400 + 3, id="dequant"),
+    pytest.param("quantize", torch.bfloat16, 4, 8, (1 << 27) + 8 * 500 + 5, id="quant-team1"),
 ]
 
 ENCODE = _params(
@@ -188,6 +189,8 @@ def check_quantize(be: Backend, x: torch.Tensor, *, shift=0, out_dtypes=(None,),
     codes, scales, offsets = be.quantize(be.place(x, shift), **kw)
     be.same_bytes(codes, q.data, "codes")
     be.same_values(scales, q.scales, "scales")
+    covers_both_ends(be, codes, "codes")
+    covers_both_ends(be, scales, "scales")
     assert (offsets is None) == (q.offsets is None)
     if q.offsets is not None:
         be.same_values(offsets, q.offsets, "offsets")
@@ -290,10 +293,19 @@ def check_reduce_big(be: Backend, in_bits, out_name, cases=REDUCE_BIG):
         check_reduce(be, buf, in_bits, gs, dtype, n, sources, cb, outputs, sources * cb, 2.0, out)
 
 
+def covers_both_ends(be: Backend, t: torch.Tensor, what: str):
+    """A sampled run (first and last blocks among them) wrote t's first and last bytes."""
+    ranges = be.written(t)
+    if ranges is not None:
+        nbytes = t.numel() * t.element_size()
+        assert min(lo for lo, _ in ranges) == 0, f"{what}: first bytes not written"
+        assert max(hi for _, hi in ranges) == nbytes, f"{what}: last bytes not written"
+
+
 def check_past_grid_cap(be: Backend, kernel, dtype, bits, group_size, n):
     """One kernel past 65536 blocks: random codes (dequantize) or random finite values
     (quantize) of n elements. A backend that runs a sample of the blocks compares what they
-    wrote."""
+    wrote, which must reach both ends of the output."""
     gen = generator("past-cap", kernel, n)
     if kernel == "dequantize":
         codes = torch.randint(0, 256, (-(-n * bits // 8),), generator=gen, dtype=torch.uint8)
@@ -304,9 +316,12 @@ def check_past_grid_cap(be: Backend, kernel, dtype, bits, group_size, n):
         qcoll._C.dequantize(codes.data_ptr(), scales.data_ptr(), 0, n, bits, group_size, True,
                             want.data_ptr(), CODE[dtype], 0, 0, 0)
         be.same_values(y, want, "dequantize")
+        covers_both_ends(be, y, "dequantize")
         return
     x = torch.randn(n, generator=gen, dtype=dtype)
     q = qcoll.quantize(x, bits=bits, group_size=group_size)
     codes, scales, _ = be.quantize(be.place(x), bits=bits, group_size=group_size)
     be.same_bytes(codes, q.data, "codes")
     be.same_values(scales, q.scales, "scales")
+    covers_both_ends(be, codes, "codes")
+    covers_both_ends(be, scales, "scales")

@@ -19,9 +19,10 @@ cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DQCOL
   -Dpybind11_DIR="$pybind11_dir" -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$build/out" > /dev/null
 cmake --build "$build" --target _cuda_emu --parallel "${QCOLL_BUILD_JOBS:-2}"
 module=$(ls "$build"/out/_cuda_emu*.so)
-libasan=$(${CXX:-c++} -print-file-name=libasan.so)
+# libstdc++ preloaded too: ASan intercepts __cxa_throw only if it is there at start-up.
+preload="$(${CXX:-c++} -print-file-name=libasan.so) $(${CXX:-c++} -print-file-name=libstdc++.so)"
 
-export LD_PRELOAD=$libasan QCOLL_EMU_MODULE=$module
+export LD_PRELOAD=$preload QCOLL_EMU_MODULE=$module
 export ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:detect_stack_use_after_return=0
 cd "$root/tests"
 
