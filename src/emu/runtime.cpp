@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #define QCOLL_EMU_ASAN 1
 #endif
@@ -224,6 +225,11 @@ void start_fiber(Fiber& f) {
   Runtime& r = rt();
   f.state = State::kExited;
   set_state(r, f, State::kRunnable);
+#if defined(QCOLL_EMU_ASAN)
+  // The previous block's frames on this stack never returned: their poison is stale.
+  ASAN_UNPOISON_MEMORY_REGION(f.stack, kStackBytes);
+  f.fake = nullptr;
+#endif
   context_make(f.ctx, f.stack, kStackBytes, fiber_main);
 }
 
