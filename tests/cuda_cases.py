@@ -264,7 +264,7 @@ def check_reduce_case(be: Backend, in_bits, out_name, n, group_size):
     for i, (sources, outputs, divisor, dtype, source_major, slack) in enumerate(REDUCE_CASES):
         buf, ss, os_ = make_sources(outputs, sources, n, in_bits, group_size, dtype,
                                     source_major, slack, ("cuda", in_bits, n, group_size, i),
-                                    nan_at=(0, sources - 1, n // 2) if i == 2 else None)
+                                    nan_at=(0, sources - 1, n // 2) if i in (1, 2) else None)
         out, _ = out_spec(out_name, dtype, n, group_size, outputs, DTYPES[i % 3])
         # Aligned, then shifted by 4 bytes (codes and values lose their vector paths).
         check_reduce(be, buf, in_bits, group_size, dtype, n, sources, ss, outputs, os_, divisor,
