@@ -8,6 +8,7 @@
 // __tsan_unaligned_readN: the compiler knows less alignment (e.g. a memcpy of bytes), the
 // device would use narrower accesses, so no alignment is required.
 #include <cstddef>
+#include <cstring>
 
 #include "emu/runtime.h"
 
@@ -33,6 +34,22 @@ QCOLL_EMU_HOOKS(16)
 
 extern "C" void __tsan_read_range(void* p, size_t n) { access(p, n, false, false); }
 extern "C" void __tsan_write_range(void* p, size_t n) { access(p, n, true, false); }
+
+// Clang turns memory intrinsics of instrumented code into these.
+extern "C" void* __tsan_memcpy(void* d, const void* s, size_t n) {
+  access(s, n, false, false);
+  access(d, n, true, false);
+  return std::memcpy(d, s, n);
+}
+extern "C" void* __tsan_memmove(void* d, const void* s, size_t n) {
+  access(s, n, false, false);
+  access(d, n, true, false);
+  return std::memmove(d, s, n);
+}
+extern "C" void* __tsan_memset(void* d, int c, size_t n) {
+  access(d, n, true, false);
+  return std::memset(d, c, n);
+}
 
 // Bookkeeping calls the instrumentation also emits; nothing to do.
 extern "C" void __tsan_init() {}

@@ -4,15 +4,14 @@
 
 #include "emu/context.h"
 
-#include <dlfcn.h>
 #include <link.h>
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <random>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -94,7 +93,7 @@ struct Runtime {
   std::string error;
   std::vector<std::vector<Collective>> warps;
   std::unordered_map<uintptr_t, ByteState> shared;
-  std::unordered_map<uintptr_t, bool> shared_written;  // bytes written in this block
+  std::unordered_set<uintptr_t> shared_written;  // bytes written in this block
   uint64_t epoch = 1;
   std::mt19937_64 rng;
 
@@ -424,7 +423,7 @@ void shared_access(Runtime& r, uintptr_t a, size_t bytes, bool write) {
            "__syncthreads");
     if (write) {
       s.writer = t;
-      r.shared_written[a + i] = true;
+      r.shared_written.insert(a + i);
     } else if (s.reader < 0) {
       s.reader = t;
     } else if (s.reader != t) {
