@@ -52,10 +52,10 @@ MUTATIONS = [
      "       first += int64_t{gridDim.x} * teams) {",
      "       first += int64_t{gridDim.x}) {",
      "the grid-stride loop of the quantize kernel steps by blocks instead of teams"),
-    ("padding-tail-bound", "src/cuda/wire.cu",
-     "if (e + kPacket >= r.len)",
-     "if (e + kPacket > r.len)",
-     "raw chunk padding zeroed only when the last packet is partial"),
+    ("padding-off-by-one", "src/cuda/wire.cu",
+     "const int64_t scales_end = c.scales_offset + 4 * c.groups;",
+     "const int64_t scales_end = c.scales_offset + 4 * (c.groups - 1);",
+     "a chunk's padding is zeroed from one scale too early, over the last group's scale"),
     ("int4-tail-nibble", "src/cuda/quant_team.cuh",
      "  if (count < kPacket) codes &= (uint64_t{1} << (count * Bits)) - 1;\n",
      "",
@@ -98,7 +98,8 @@ def build(build_dir: Path) -> Path:
 
 def pytest(module: Path) -> tuple[int, str, float]:
     """(exit status, the first failure's test and message, seconds)."""
-    env = dict(os.environ, QCOLL_EMU_MODULE=str(module), OMP_NUM_THREADS="1")
+    env = dict(os.environ, QCOLL_EMU_MODULE=str(module), OMP_NUM_THREADS="1",
+               COLUMNS="1000")  # pytest cuts its summary lines at the terminal width
     t = time.time()
     p = subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "tests"), "-m", "cuda_emu",
                         "-x", "-q", "-p", "no:cacheprovider", "-rf", "--tb=line"],
