@@ -1,10 +1,12 @@
 """The CUDA kernels agree with the CPU kernels bit for bit (nearest and stochastic), for
-every dtype x width x mode, odd sizes, unaligned views and tiny/huge groups; plus the
-CUDA-specific API behaviour (streams, devices, out=)."""
+every dtype x width x mode, odd sizes, unaligned views, tiny/huge groups and grids past the
+cap: the cases of cuda_cases.py, which CI runs on the CPU emulator (test_cuda_emu.py); plus
+the CUDA-specific API behaviour (strides, streams, devices, out=)."""
 
 import pytest
 import torch
 
+import cuda_cases as cases
 import qcoll
 import reference as ref
 from conftest import make_values
@@ -16,86 +18,64 @@ pytestmark = pytest.mark.skipif(
 
 DEVICE = torch.device("cuda")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-MODES = [("nearest", None), ("stochastic", 0), ("stochastic", 2**64 - 1)]
+
+
+GPU = cases.GpuBackend()
 
 
 def check_same(x_cpu, x_dev, *, out_dtypes=(None,), **kw):
     """quantize/dequantize of x_dev (on the GPU) == of x_cpu (same values on the CPU)."""
     q_c = qcoll.quantize(x_cpu, **kw)
     q_d = qcoll.quantize(x_dev, **kw)
-    assert q_d.data.device == x_dev.device and q_d.scales.device == x_dev.device
     assert (q_d.shape, q_d.dtype, q_d.bits, q_d.group_size) == (
         q_c.shape, q_c.dtype, q_c.bits, q_c.group_size)
     ref.assert_same_bytes(q_d.data.cpu(), q_c.data, "codes")
     ref.assert_same_bits(q_d.scales.cpu(), q_c.scales, "scales")
-    assert (q_d.offsets is None) == (q_c.offsets is None)
-    if q_c.offsets is not None:
-        ref.assert_same_bits(q_d.offsets.cpu(), q_c.offsets, "offsets")
     for dtype in out_dtypes:
-        y_d = qcoll.dequantize(q_d, dtype=dtype)
-        assert y_d.device == x_dev.device
-        ref.assert_same_bits(y_d.cpu(), qcoll.dequantize(q_c, dtype=dtype), f"dequantize {dtype}")
-    return q_c, q_d
+        ref.assert_same_bits(qcoll.dequantize(q_d, dtype=dtype).cpu(),
+                             qcoll.dequantize(q_c, dtype=dtype), f"dequantize {dtype}")
 
 
-@pytest.mark.parametrize("rounding,seed", MODES, ids=["nearest", "stoch0", "stochmax"])
-@pytest.mark.parametrize("n", [1, 7, 9, 255, 4103, 65537])
-@pytest.mark.parametrize("group_size", [8, 24, 256, 65536])
-@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# ---- the shared cases (tests/cuda_cases.py), also run by CI on the CPU emulator ------------------
+@pytest.mark.parametrize("dtype,bits,symmetric,group_size,n,rounding,seed", cases.QUANTIZE)
 def test_cuda_matches_cpu(dtype, bits, symmetric, group_size, n, rounding, seed):
     x = make_values(n, dtype, "normal", group_size, bits, symmetric)
-    check_same(x, x.to(DEVICE), bits=bits, group_size=group_size, symmetric=symmetric,
-               rounding=rounding, seed=seed)
+    cases.check_quantize(GPU, x, bits=bits, group_size=group_size, symmetric=symmetric,
+                         rounding=rounding, seed=seed)
 
 
-@pytest.mark.parametrize("kind", ["wide", "grid"])
-@pytest.mark.parametrize("rounding,seed", MODES[:2], ids=["nearest", "stoch0"])
-@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype,bits,symmetric,rounding,seed,kind", cases.QUANTIZE_HARD)
 def test_cuda_matches_cpu_hard_values(dtype, bits, symmetric, rounding, seed, kind):
-    # Subnormals, values near the dtype's max (overflowing asymmetric ranges), exact ties,
-    # zero groups, and NaN/Inf groups, in every output dtype.
-    x = make_values(20011, dtype, kind, 16, bits, symmetric)
-    x[32:48] = 0.0
-    x[64:80] = -0.0
-    x[100] = float("nan")
-    x[200] = float("inf")
-    x[300] = float("-inf")
-    x[20000:] = 3.0  # constant tail group
-    check_same(x, x.to(DEVICE), bits=bits, group_size=16, symmetric=symmetric,
-               rounding=rounding, seed=seed, out_dtypes=(None,) + tuple(DTYPES))
+    cases.check_quantize(GPU, cases.hard_values(dtype, bits, symmetric, kind), bits=bits,
+                         group_size=16, symmetric=symmetric, rounding=rounding, seed=seed,
+                         out_dtypes=(None,) + tuple(DTYPES))
 
 
-@pytest.mark.parametrize("rounding,seed", MODES[:2], ids=["nearest", "stoch0"])
-@pytest.mark.parametrize("group_size", [8, 65536, 1 << 20])
-@pytest.mark.parametrize("bits,symmetric,dtype", [(8, True, torch.float32),
-                                                   (4, False, torch.bfloat16),
-                                                   (4, True, torch.float16)], ids=str)
+@pytest.mark.parametrize("bits,symmetric,dtype,group_size,rounding,seed", cases.QUANTIZE_LARGE)
 def test_cuda_matches_cpu_large(bits, symmetric, dtype, group_size, rounding, seed):
-    x = make_values(3_000_017, dtype, "normal", group_size, bits, symmetric)
-    check_same(x, x.to(DEVICE), bits=bits, group_size=group_size, symmetric=symmetric,
-               rounding=rounding, seed=seed)
+    x = make_values(cases.LARGE_N, dtype, "normal", group_size, bits, symmetric)
+    cases.check_quantize(GPU, x, bits=bits, group_size=group_size, symmetric=symmetric,
+                         rounding=rounding, seed=seed)
 
 
-@pytest.mark.parametrize("offset", [1, 2, 3, 5, 7])
-@pytest.mark.parametrize("rounding,seed", MODES[:2], ids=["nearest", "stoch0"])
-@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype,bits,symmetric,rounding,seed,offset", cases.QUANTIZE_UNALIGNED)
 def test_cuda_unaligned_views(dtype, bits, symmetric, rounding, seed, offset):
     # x[offset:] starts off any vector alignment; element 0 of the view is index 0 for the
     # stochastic draws, exactly as on the CPU.
     base = make_values(10007 + offset, dtype, "normal", 64, bits, symmetric)
-    base_d = base.to(DEVICE)
-    check_same(base[offset:], base_d[offset:], bits=bits, group_size=64, symmetric=symmetric,
-               rounding=rounding, seed=seed)
-    check_same(base[offset:offset + 999], base_d[offset:offset + 999], bits=bits, group_size=8,
-               symmetric=symmetric, rounding=rounding, seed=seed)
+    shift = offset * base.element_size()
+    cases.check_quantize(GPU, base[offset:], shift=shift, bits=bits, group_size=64,
+                         symmetric=symmetric, rounding=rounding, seed=seed)
+    cases.check_quantize(GPU, base[offset:offset + 999], shift=shift, bits=bits, group_size=8,
+                         symmetric=symmetric, rounding=rounding, seed=seed)
 
 
+@pytest.mark.parametrize("kernel,dtype,bits,group_size,n", cases.PAST_GRID_CAP)
+def test_cuda_past_grid_cap(kernel, dtype, bits, group_size, n):
+    cases.check_past_grid_cap(GPU, kernel, dtype, bits, group_size, n)
+
+
+# ---- CUDA API behaviour ------------------------------------------------------------------------------
 @pytest.mark.parametrize("bits", [4, 8])
 def test_cuda_strided_inputs(bits):
     base = make_values(3 * 40 * 24, torch.float32, "normal", 8).reshape(3, 40, 24)

@@ -54,8 +54,16 @@ inline __attribute__((always_inline)) void store_from_float(const float* src, DT
     }
     case DType::kFloat16: {
 #if defined(QCOLL_HAS_FLOAT16)
-      _Float16* d = static_cast<_Float16*>(dst);  // rounds to nearest even, like CUDA
-      for (int64_t i = 0; i < n; ++i) d[i] = static_cast<_Float16>(src[i]);
+      // Rounds to nearest even, like CUDA's __float2half_rn; a NaN becomes CUDA's canonical
+      // 0x7fff (the hardware conversion keeps the payload), so raw fp16 chunks carry the
+      // same bytes on CPU and GPU.
+      uint16_t* d = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) {
+        const _Float16 h = static_cast<_Float16>(src[i]);
+        uint16_t b;
+        std::memcpy(&b, &h, 2);
+        d[i] = src[i] != src[i] ? uint16_t{0x7fff} : b;
+      }
 #else
       uint16_t* d = static_cast<uint16_t*>(dst);
       for (int64_t i = 0; i < n; ++i) d[i] = math::float_to_half_bits(src[i]);

@@ -16,6 +16,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_kernels.h"
+#include "cuda/launch.cuh"
 #include "cuda/quant_team.cuh"
 #include "qcoll/quant_math.h"
 
@@ -223,9 +224,8 @@ void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   if (spec.group_size <= kChunk) {
     q.lanes = team_lanes(spec.group_size);
     q.units = groups;
-    quantize_kernel<E, Bits, Pass::kFused>
-        <<<grid_for(groups, kThreads / q.lanes), kThreads, 0, stream>>>(q);
-    QCOLL_CUDA_CHECK(cudaGetLastError());
+    launch<quantize_kernel<E, Bits, Pass::kFused>>(grid_for(groups, kThreads / q.lanes), kThreads,
+                                                    stream, q);
     return;
   }
 
@@ -234,12 +234,9 @@ void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   const size_t param_bytes = static_cast<size_t>(groups) * sizeof(float);
   QCOLL_CUDA_CHECK(cudaMemsetAsync(a.scales, 0, param_bytes, stream));
   if (!spec.symmetric) QCOLL_CUDA_CHECK(cudaMemsetAsync(a.offsets, 0, param_bytes, stream));
-  quantize_kernel<E, Bits, Pass::kStats><<<grid_for(q.units, 1), kThreads, 0, stream>>>(q);
-  QCOLL_CUDA_CHECK(cudaGetLastError());
-  finalize_kernel<<<grid_for(groups, kThreads), kThreads, 0, stream>>>(q, groups);
-  QCOLL_CUDA_CHECK(cudaGetLastError());
-  quantize_kernel<E, Bits, Pass::kCode><<<grid_for(q.units, 1), kThreads, 0, stream>>>(q);
-  QCOLL_CUDA_CHECK(cudaGetLastError());
+  launch<quantize_kernel<E, Bits, Pass::kStats>>(grid_for(q.units, 1), kThreads, stream, q);
+  launch<finalize_kernel>(grid_for(groups, kThreads), kThreads, stream, q, groups);
+  launch<quantize_kernel<E, Bits, Pass::kCode>>(grid_for(q.units, 1), kThreads, stream, q);
 }
 
 template <typename E, int Bits>
@@ -255,8 +252,7 @@ void launch_dequantize(const DequantizeArgs& a, cudaStream_t stream) {
   d.vec_in = aligned(a.codes, Bits);
   d.vec_out = aligned(a.output, 16);
   const int64_t packets = (a.n + kPacket - 1) / kPacket;
-  dequantize_kernel<E, Bits><<<grid_for(packets, kThreads), kThreads, 0, stream>>>(d);
-  QCOLL_CUDA_CHECK(cudaGetLastError());
+  launch<dequantize_kernel<E, Bits>>(grid_for(packets, kThreads), kThreads, stream, d);
 }
 
 }  // namespace

@@ -24,6 +24,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_kernels.h"
+#include "cuda/launch.cuh"
 #include "cuda/quant_team.cuh"
 #include "qcoll/quant_math.h"
 
@@ -302,23 +303,18 @@ void launch_team(const Src& src, QuantChunks c, cudaStream_t stream) {
   if (c.group_size <= kChunk) {
     c.lanes = team_lanes(c.group_size);
     c.units = c.items * c.groups;
-    team_kernel<Bits, Pass::kFused, Src>
-        <<<grid_for(c.units, kThreads / c.lanes), kThreads, 0, stream>>>(src, c);
-    QCOLL_CUDA_CHECK(cudaGetLastError());
+    launch<team_kernel<Bits, Pass::kFused, Src>>(grid_for(c.units, kThreads / c.lanes), kThreads,
+                                                  stream, src, c);
     return;
   }
   c.lanes = kThreads;
   c.chunks_per_group = (c.group_size + kChunk - 1) / kChunk;
   c.units = c.items * c.groups * c.chunks_per_group;
-  prepare_kernel<<<grid_for(c.items * (c.chunk_bytes - c.code_bytes), kThreads), kThreads, 0,
-                   stream>>>(c);
-  QCOLL_CUDA_CHECK(cudaGetLastError());
-  team_kernel<Bits, Pass::kStats, Src><<<grid_for(c.units, 1), kThreads, 0, stream>>>(src, c);
-  QCOLL_CUDA_CHECK(cudaGetLastError());
-  finalize_kernel<<<grid_for(c.items * c.groups, kThreads), kThreads, 0, stream>>>(c);
-  QCOLL_CUDA_CHECK(cudaGetLastError());
-  team_kernel<Bits, Pass::kCode, Src><<<grid_for(c.units, 1), kThreads, 0, stream>>>(src, c);
-  QCOLL_CUDA_CHECK(cudaGetLastError());
+  launch<prepare_kernel>(grid_for(c.items * (c.chunk_bytes - c.code_bytes), kThreads), kThreads,
+                         stream, c);
+  launch<team_kernel<Bits, Pass::kStats, Src>>(grid_for(c.units, 1), kThreads, stream, src, c);
+  launch<finalize_kernel>(grid_for(c.items * c.groups, kThreads), kThreads, stream, c);
+  launch<team_kernel<Bits, Pass::kCode, Src>>(grid_for(c.units, 1), kThreads, stream, src, c);
 }
 
 // ---- raw outputs ------------------------------------------------------------------------------
@@ -434,10 +430,8 @@ void with_bits(int bits, F&& f) {
 template <typename Src>
 void launch_elementwise(const Src& src, const RawRuns& r, DType out_dtype, cudaStream_t stream) {
   with_dtype(out_dtype, [&](auto out) {
-    elementwise_kernel<decltype(out), Src>
-        <<<grid_for(r.items * ((r.len + kPacket - 1) / kPacket), kThreads), kThreads, 0,
-           stream>>>(src, r);
-    QCOLL_CUDA_CHECK(cudaGetLastError());
+    launch<elementwise_kernel<decltype(out), Src>>(
+        grid_for(r.items * ((r.len + kPacket - 1) / kPacket), kThreads), kThreads, stream, src, r);
   });
 }
 
@@ -465,9 +459,8 @@ void encode_chunks(const EncodeArgs& a) {
     const RawRuns r = raw_runs(a.output, a.chunk_stride, a.count, a.fmt.raw_dtype, a.len,
                                a.fmt.chunk_bytes(a.len));
     if (a.fmt.raw_dtype == a.dtype) {
-      copy_kernel<E><<<grid_for(r.items * ((r.len + kPacket - 1) / kPacket), kThreads), kThreads,
-                       0, stream>>>(src, r);
-      QCOLL_CUDA_CHECK(cudaGetLastError());
+      launch<copy_kernel<E>>(grid_for(r.items * ((r.len + kPacket - 1) / kPacket), kThreads),
+                             kThreads, stream, src, r);
     } else {
       launch_elementwise(src, r, a.fmt.raw_dtype, stream);
     }
