@@ -50,7 +50,7 @@ OPTIONS = {  # suite -> the options of this command line it understands
     "group_size": set(),
     "collectives": {"sizes", "device", "pipeline_only", "overlap_only"},
     "cluster": {"sizes", "pipeline_only", "overlap_only"},
-    "zero": {"link", "tiny"},
+    "zero": {"link", "tiny", "dtype"},
 }
 
 
@@ -94,13 +94,17 @@ def main() -> None:
     parser.add_argument("--overlap-only", action="store_true", default=None,
                         help="collectives, cluster: only the async_op overlap rows (an all-gather beside "
                              "a matmul in the caller)")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
+                        help="zero: compute (and unquantized wire) dtype, default bf16; fp32 where "
+                             "bf16 matrix products are slow (CPUs without AVX-512 BF16)")
     # Hidden: the zero suite on a tiny model, 2 configurations, 3 steps (the smoke test).
     parser.add_argument("--tiny", action="store_true", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.link is not None and args.link == int(args.link):
         args.link = int(args.link)
 
-    options = {k: getattr(args, k) for k in ("sizes", "device", "link", "tiny", "pipeline_only", "overlap_only")
+    options = {k: getattr(args, k) for k in ("sizes", "device", "link", "tiny", "pipeline_only", "overlap_only",
+                                             "dtype")
                if getattr(args, k) is not None}
     unknown = set(options) - OPTIONS[args.suite]
     if unknown:

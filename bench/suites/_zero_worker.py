@@ -3,7 +3,7 @@
     python bench/suites/_zero_worker.py CONFIG.json RANK
 
 For every configuration in the config: builds examples/gpt.py's GPT from the same seed,
-wraps it in qcoll.zero.ZeroEngine (bf16 compute, AdamW) on a qcoll group of node_size ranks
+wraps it in qcoll.zero.ZeroEngine (the config's compute dtype, AdamW) on a qcoll group of node_size ranks
 per node, or shards it with PyTorch FSDP2 (a "fsdp2" entry: "default" or "qcoll"; see
 FSDP2Run), and trains `steps` steps on the same synthetic Markov data. Per step: the slowest
 rank's time of forward + backward + step (after `warmup` steps), the bytes the engine sent
@@ -36,6 +36,7 @@ from qcoll.zero import ZeroConfig, ZeroEngine  # noqa: E402
 
 CATEGORIES = ("forward_allgather", "backward_allgather", "reduce_scatter")
 PHASES = ("compute", "gather", "reduce_scatter", "optimizer")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _tx_bytes(iface) -> int:
@@ -49,7 +50,7 @@ class EngineRun:
     """qcoll.zero.ZeroEngine with the configuration's ZeRO++ techniques."""
 
     def __init__(self, cfg: dict, group, model, techniques: dict):
-        config = ZeroConfig(**techniques, compute_dtype=torch.bfloat16, max_grad_norm=1.0)
+        config = ZeroConfig(**techniques, compute_dtype=DTYPES[cfg["dtype"]], max_grad_norm=1.0)
         self.engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=cfg["lr"], weight_decay=0.01),
                                  group, config=config)
 
@@ -69,7 +70,7 @@ class EngineRun:
 
 
 class FSDP2Run:
-    """PyTorch FSDP2 (fully_shard per block, bf16 params, fp32 reduce): its default
+    """PyTorch FSDP2 (fully_shard per block, compute-dtype params, fp32 reduce): its default
     collectives counted under qcoll's rule ("default"), or qcoll.fsdp.use_qcoll with hpZ as
     reshard_after_forward=<node size> ("qcoll"). FSDP2 does not time its collectives: the
     step splits into the optimizer and the rest ("compute": compute and communication)."""
@@ -81,7 +82,7 @@ class FSDP2Run:
         import train_fsdp2
 
         mode = techniques["fsdp2"]
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg["dtype"]], reduce_dtype=torch.float32)
         mesh = init_device_mesh("cpu", (cfg["world"],))
         reshard = cfg["node_size"] if mode == "qcoll" else True
         self.model = train_fsdp2.shard_blocks(model, mesh, reshard_after_forward=reshard, mp_policy=policy)

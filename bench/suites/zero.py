@@ -1,15 +1,18 @@
 """`zero` suite: one ZeRO-3 training step of examples/gpt.py's GPT with
 qcoll.zero.ZeroEngine, per ZeRO++ configuration.
 
-4 gloo ranks as 2 nodes x 2 (qcoll.new_group(node_size=2)), bf16 compute, fp32 master
+4 gloo ranks as 2 nodes x 2 (qcoll.new_group(node_size=2)), bf16 compute (--dtype fp32:
+fp32; torch's bf16 matrix products are ~100x slower than fp32 on CPUs without AVX-512
+BF16, which makes every bf16 step compute-bound there), fp32 master
 weights, AdamW. Configurations: all off ("ZeRO-3"), qwZ alone, hpZ alone, qgZ alone, all on
-("ZeRO++"); each trains the same model from the same seed on the same synthetic Markov data
+("ZeRO++"), and ZeRO++ without prefetch (what overlapping the gathers with compute buys);
+each trains the same model from the same seed on the same synthetic Markov data
 for N steps, in the same processes one after the other. Per configuration: the median over
 the steps after warm-up of the slowest rank's step time (forward + backward + optimizer
 step), its breakdown (compute, waiting on all-gathers, reduce-scatters, optimizer; from
 engine.timings(), mean over ranks), the bytes the engine sent to other nodes and inside the
 node per step and rank (engine.stats() deltas, qcoll's accounting), and the loss after N
-steps. FSDP2 rows: the same model under PyTorch FSDP2 (fully_shard per block, bf16 params,
+steps. FSDP2 rows: the same model under PyTorch FSDP2 (fully_shard per block, compute-dtype params,
 fp32 reduce), with its default collectives (counted under qcoll's rule) and with
 qcoll.fsdp.use_qcoll + reshard_after_forward=2 (hpZ); FSDP2 does not time its collectives,
 so their "compute" is compute and communication. The full run is the ZeRO++ paper's communication-bound regime: a 9.7M-parameter GPT
@@ -35,6 +38,7 @@ CONFIGS = [
     ("hpZ", dict(qwz=False, hpz=True, qgz=False)),
     ("qgZ", dict(qwz=False, hpz=False, qgz=True)),
     ("ZeRO++", dict(qwz=True, hpz=True, qgz=True)),
+    ("ZeRO++ no prefetch", dict(qwz=True, hpz=True, qgz=True, prefetch=False)),  # what overlap buys
     # PyTorch FSDP2 on the same model: its own collectives, then qcoll's (qcoll.fsdp).
     ("FSDP2", dict(fsdp2="default")),
     ("FSDP2+qcoll", dict(fsdp2="qcoll")),
@@ -45,7 +49,7 @@ TARGET = 2.0  # a ZeRO-3 step with all three on >= 2x faster than with all off .
 TARGET_GBIT = 1  # ... at 1 Gbit/s between nodes
 
 
-def config(quick: bool, link: bool = False, tiny: bool = False) -> dict:
+def config(quick: bool, link: bool = False, tiny: bool = False, dtype: str = "bf16") -> dict:
     if tiny:  # the smoke test
         model, steps, warmup, batch, seq = dict(d_model=32, layers=1, heads=2, vocab=32), 3, 1, 2, 16
     elif quick:
@@ -55,11 +59,12 @@ def config(quick: bool, link: bool = False, tiny: bool = False) -> dict:
     lr = 1e-3 if not (quick or tiny) else 3e-3  # the 9.7M model rises for its first steps at 3e-3
     configs = [c for c in CONFIGS if c[0] in PAIRS] if (link and quick) or tiny else CONFIGS
     return {"world": NODES * NODE_SIZE, "node_size": NODE_SIZE, "model": model, "steps": steps,
-            "warmup": warmup, "batch": batch, "seq": seq, "lr": lr, "seed": 0, "configs": configs}
+            "warmup": warmup, "batch": batch, "seq": seq, "lr": lr, "seed": 0, "configs": configs,
+            "dtype": dtype}
 
 
-def run(quick: bool, progress, link=None, tiny=False) -> dict:
-    cfg = config(quick, link is not None, tiny)
+def run(quick: bool, progress, link=None, tiny=False, dtype="bf16") -> dict:
+    cfg = config(quick, link is not None, tiny, dtype)
     task = progress.add_task("zero", total=len(cfg["configs"]))
     extra = {}
     if link is None:
@@ -82,7 +87,7 @@ def run(quick: bool, progress, link=None, tiny=False) -> dict:
         r["speedup_vs_zero3"] = base["step_time_s"] / r["step_time_s"]
         r["inter_bytes_vs_zero3"] = (r["inter_bytes_per_rank"] / base["inter_bytes_per_rank"]
                                      if base["inter_bytes_per_rank"] else None)
-    result = {"world": cfg["world"], "node_size": NODE_SIZE, "backend": "gloo", "compute_dtype": "bf16",
+    result = {"world": cfg["world"], "node_size": NODE_SIZE, "backend": "gloo", "compute_dtype": dtype,
               "model": dict(cfg["model"], params=out["params"]), "batch_per_rank": cfg["batch"],
               "seq": cfg["seq"], "steps": cfg["steps"], "warmup": cfg["warmup"],
               "entropy_rate": out["entropy"], "link_gbit": link, **extra, "rows": rows}
@@ -116,18 +121,18 @@ def table(result: dict) -> list:
              else f"emulated cluster, {result['link_gbit']} Gbit/s links")
     lines = [f"GPT d_model {m['d_model']}, {m['layers']} layers, vocab {m['vocab']} ({m['params'] / 1e6:.2f}M "
              f"params); {result['world']} ranks as {result['world'] // result['node_size']} nodes x "
-             f"{result['node_size']}; bf16; batch {result['batch_per_rank']} x {result['seq']} per rank; "
+             f"{result['node_size']}; {result['compute_dtype']}; batch {result['batch_per_rank']} x {result['seq']} per rank; "
              f"{result['steps']} steps ({result['warmup']} warm-up); {where}"]
     if "probe" in result:
         p = result["probe"]
         lines.append(f"link probed {p['gbit_s']:.2f} Gbit/s one stream, RTT {p['rtt_us']:.0f} us")
     wire = any("wire_bytes_per_node" in r for r in result["rows"])
-    lines.append(f"{'config':11} {'step ms':>9} {'speedup':>8} {'x-node/rank':>12} {'in-node/rank':>13}"
+    lines.append(f"{'config':18} {'step ms':>9} {'speedup':>8} {'x-node/rank':>12} {'in-node/rank':>13}"
                  + (f" {'wire/node':>10}" if wire else "") + f" {'loss@N':>8}"
                  + "   ms: compute / gather / reduce-scatter / optimizer")
     for r in result["rows"]:
         ph = r.get("phase_s", {})
-        lines.append(f"{r['config']:11} {r['step_time_s'] * 1e3:9.1f} {r['speedup_vs_zero3']:7.2f}x "
+        lines.append(f"{r['config']:18} {r['step_time_s'] * 1e3:9.1f} {r['speedup_vs_zero3']:7.2f}x "
                      f"{_mb(r['inter_bytes_per_rank']):>12} {_mb(r['intra_bytes_per_rank']):>13}"
                      + (f" {_mb(r['wire_bytes_per_node']):>10}" if wire else "") + f" {r['loss_final']:8.4f}"
                      + ("   " + " / ".join("-" if ph[k] is None else f"{1e3 * ph[k]:.0f}" for k in PHASES) if ph else ""))
