@@ -78,3 +78,81 @@ def comparison_table(title: str, results: list, rows: list):
             cells.append(f"{values[1] / values[0]:.3f}" if values[0] else "-")
         table.add_row(label, *cells)
     return table
+
+
+def train_loop(name: str, args, rank: int, device, language, step, progress=None, width: int = 8) -> dict:
+    """args.steps steps of step(x, y) -> (loss, [bytes sent to other nodes, per phase]) on this
+    rank's slice of each global batch. Per step the loss and bytes are averaged over ranks;
+    rank 0's progress bar shows them, with a line every args.log_every steps. Returns the
+    run's name, losses, final loss (mean of the last 10), median step time (the first step
+    left out) and mean bytes per phase."""
+    import statistics
+    import time
+
+    world = args.ranks
+    task = progress.add_task(name, total=args.steps, info="") if progress else None
+    losses, times, inter = [], [], []
+    for i in range(args.steps):
+        x, y = language.batch(i, args.batch * world, args.seq, seed=args.seed)
+        x, y = x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss, sent = step(x, y)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        row = torch.tensor([*map(float, sent), loss.item()], dtype=torch.float64, device=device)
+        dist.all_reduce(row)
+        row = (row / world).tolist()
+        losses.append(row[-1])
+        inter.append(row[:-1])
+        if progress:
+            line = f"loss {losses[-1]:.4f}  {1e3 * times[-1]:6.1f} ms  {fmt_bytes(sum(inter[-1]))}/step across nodes"
+            progress.update(task, advance=1, info=line)
+            if (i + 1) % args.log_every == 0 or i + 1 == args.steps:
+                progress.console.print(f"{name:{width}s} step {i + 1:4d}  {line}")
+    tail = min(10, len(losses))
+    later = inter[1:] or inter
+    return dict(name=name, final_loss=sum(losses[-tail:]) / tail, losses=losses,
+                step_ms=1e3 * statistics.median(times[1:] or times),
+                inter=[statistics.mean(v[k] for v in later) for k in range(len(later[0]))])
+
+
+def run_all(rank: int, header: list, runs: list, report, width: int = 8) -> None:
+    """Each of runs (callables taking rank 0's progress bar, None elsewhere, and returning a
+    train_loop result) in turn; rank 0 prints the header lines first and report(console,
+    results) last. Then the process group is destroyed."""
+    console = progress = None
+    if rank == 0:
+        from rich.console import Console
+
+        console = Console()
+        for line in header:
+            console.print(line)
+        progress = progress_bar(console, width)
+        progress.start()
+    results = []
+    try:
+        for run_one in runs:
+            results.append(run_one(progress))
+    finally:
+        if progress:
+            progress.stop()
+    if rank == 0:
+        report(console, results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def summary_rows(results: list, phases) -> list:
+    """The loss, cross-node bytes (total and per phase) and step-time rows of comparison_table."""
+    rows = [("final loss (mean of last 10)", [r["final_loss"] for r in results], lambda v: f"{v:.4f}"),
+            ("cross-node bytes / step", [sum(r["inter"]) for r in results], fmt_bytes)]
+    rows += [(f"  {p.replace('_', ' ')}", [r["inter"][i] for r in results], fmt_bytes) for i, p in enumerate(phases)]
+    rows.append(("step time (median)", [r["step_ms"] for r in results], lambda v: f"{v:.1f} ms"))
+    return rows
+
+
+LOOPBACK_NOTE = ("Step times: local processes on shared CPU cores, loopback links; the bytes are what a "
+                 "cluster would carry between nodes.")

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -147,34 +145,11 @@ def train(rank, args, device, language, cfg, mode, progress=None):
     configure(model, mode, args.node_size, weight_bits=args.weight_bits, grad_bits=args.grad_bits)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     name = "FSDP2 default" if mode == "default" else "FSDP2 + qcoll"
-    task = progress.add_task(name, total=args.steps, info="") if progress else None
-    losses, times, inter = [], [], []
-    for step in range(args.steps):
-        x, y = language.batch(step, args.batch * world, args.seq, seed=args.seed)
-        x, y = x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss, sent = train_step(model, optimizer, x, y, gpt.lm_loss, max_grad_norm=1.0)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        row = torch.tensor([*sent, loss.item()], dtype=torch.float64, device=device)
-        dist.all_reduce(row)  # mean over ranks
-        row = (row / world).tolist()
-        losses.append(row[-1])
-        inter.append(row[:-1])
-        if progress:
-            progress.update(task, advance=1, info=f"loss {losses[-1]:.4f}  {1e3 * times[-1]:6.1f} ms  "
-                                                  f"{launch.fmt_bytes(sum(inter[-1]))}/step across nodes")
-            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-                progress.console.print(f"{name:14s} step {step + 1:4d}  loss {losses[-1]:.4f}  "
-                                       f"step {1e3 * times[-1]:6.1f} ms  cross-node {launch.fmt_bytes(sum(inter[-1]))}/step")
-    tail = min(10, len(losses))
-    later = inter[1:] or inter
-    return dict(name=name, final_loss=sum(losses[-tail:]) / tail, losses=losses,
-                step_ms=1e3 * statistics.median(times[1:] or times),
-                inter=[statistics.mean(v[i] for v in later) for i in range(len(PHASES))])
+
+    def step(x, y):
+        return train_step(model, optimizer, x, y, gpt.lm_loss, max_grad_norm=1.0)
+
+    return launch.train_loop(name, args, rank, device, language, step, progress, width=14)
 
 
 def worker(rank, args, store=None):
@@ -183,47 +158,27 @@ def worker(rank, args, store=None):
     language = gpt.MarkovLanguage(args.vocab, seed=args.seed)
     cfg = gpt.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                         d_model=args.d_model, tie_weights=True)
-    console = progress = None
-    if rank == 0:
-        from rich.console import Console
-
-        console = Console()
-        n_params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
-        console.print(f"GPT {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, "
-                      f"{n_params / 1e3:.1f}K parameters, fully_shard per block; {args.ranks} ranks as "
-                      f"{args.nodes} node(s) x {args.ranks_per_node} on {device.type} ({args.backend}); "
-                      f"{args.dtype} params, fp32 reduce; batch {args.batch} x {args.seq} tokens per rank")
-        console.print(f"loss: ln(vocab) = {math.log(args.vocab):.3f} at the start, "
-                      f"the language's entropy rate {language.entropy:.3f} at best")
-        progress = launch.progress_bar(console, width=14)
-        progress.start()
+    n_params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
+    header = [f"GPT {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, "
+              f"{n_params / 1e3:.1f}K parameters, fully_shard per block; {args.ranks} ranks as "
+              f"{args.nodes} node(s) x {args.ranks_per_node} on {device.type} ({args.backend}); "
+              f"{args.dtype} params, fp32 reduce; batch {args.batch} x {args.seq} tokens per rank",
+              f"loss: ln(vocab) = {math.log(args.vocab):.3f} at the start, "
+              f"the language's entropy rate {language.entropy:.3f} at best"]
     modes = {"both": ("default", "qcoll"), "default": ("default",), "qcoll": ("qcoll",)}[args.runs]
-    results = []
-    try:
-        for mode in modes:
-            results.append(train(rank, args, device, language, cfg, mode, progress))
-    finally:
-        if progress:
-            progress.stop()
-    if rank == 0:
-        report(console, results, args)
-    dist.barrier()
-    dist.destroy_process_group()
+    launch.run_all(rank, header,
+                   [lambda progress, mode=mode: train(rank, args, device, language, cfg, mode, progress)
+                    for mode in modes],
+                   lambda console, results: report(console, results, args), width=14)
 
 
 # ---- report -----------------------------------------------------------------------------
 def report(console, results, args):
-    fmt = launch.fmt_bytes
-    rows = [("final loss (mean of last 10)", [r["final_loss"] for r in results], lambda v: f"{v:.4f}"),
-            ("cross-node bytes / step", [sum(r["inter"]) for r in results], fmt)]
-    rows += [(f"  {p.replace('_', ' ')}", [r["inter"][i] for r in results], fmt) for i, p in enumerate(PHASES)]
-    rows.append(("step time (median)", [r["step_ms"] for r in results], lambda v: f"{v:.1f} ms"))
     console.print(launch.comparison_table(
         f"{args.steps} steps, {args.ranks} ranks ({args.nodes} nodes x {args.ranks_per_node}), {args.dtype} "
-        "params; bytes: mean per rank per step sent to other nodes", results, rows))
+        "params; bytes: mean per rank per step sent to other nodes", results, launch.summary_rows(results, PHASES)))
     if args.backend == "gloo":
-        console.print("Step times: local processes on shared CPU cores, loopback links; the bytes are what a "
-                      "cluster would carry between nodes.")
+        console.print(launch.LOOPBACK_NOTE)
 
 
 def main(argv=None):

@@ -33,12 +33,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -118,42 +115,20 @@ def train(rank, args, device, group, language, cfg, name, techniques, progress=N
     config = ZeroConfig(**techniques, compute_dtype=DTYPES[args.dtype], max_grad_norm=args.max_grad_norm)
     engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01), group,
                         config=config)
-    world = args.ranks
-    task = progress.add_task(name, total=args.steps, info="") if progress else None
-    losses, times, inter = [], [], []
     skipped = 0
-    for step in range(args.steps):
-        x, y = language.batch(step, args.batch * world, args.seq, seed=args.seed)
-        x, y = x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device)
+
+    def step(x, y):
+        nonlocal skipped
         before = engine.stats()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
         engine.zero_grad()
         loss = gpt.lm_loss(engine(x), y)
         engine.backward(loss)
         skipped += not engine.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
         after = engine.stats()
-        sent = torch.tensor([float(after[c]["inter_bytes"] - before[c]["inter_bytes"]) for c in CATEGORIES]
-                            + [loss.item()], dtype=torch.float64, device=device)
-        dist.all_reduce(sent)  # mean over ranks
-        sent = (sent / world).tolist()
-        losses.append(sent[-1])
-        inter.append(sent[:-1])
-        if progress:
-            progress.update(task, advance=1, info=f"loss {losses[-1]:.4f}  {1e3 * times[-1]:6.1f} ms  "
-                                                  f"{launch.fmt_bytes(sum(inter[-1]))}/step across nodes")
-            if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
-                progress.console.print(f"{name:8s} step {step + 1:4d}  loss {losses[-1]:.4f}  "
-                                       f"step {1e3 * times[-1]:6.1f} ms  cross-node {launch.fmt_bytes(sum(inter[-1]))}/step")
-    tail = min(10, len(losses))
-    return dict(name=name, final_loss=sum(losses[-tail:]) / tail, losses=losses,
-                step_ms=1e3 * statistics.median(times[1:] or times),
-                inter=[statistics.mean(v[i] for v in inter[1:] or inter) for i in range(len(CATEGORIES))],
-                skipped=skipped, stats=engine.stats())
+        return loss, [after[c]["inter_bytes"] - before[c]["inter_bytes"] for c in CATEGORIES]
+
+    result = launch.train_loop(name, args, rank, device, language, step, progress)
+    return dict(result, skipped=skipped, stats=engine.stats())
 
 
 def worker(rank, args, store):
@@ -163,48 +138,30 @@ def worker(rank, args, store):
     language = gpt.MarkovLanguage(args.vocab, seed=args.seed)
     cfg = gpt.GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                         d_model=args.d_model, tie_weights=True)
-    console = progress = None
-    if rank == 0:
-        from rich.console import Console
-
-        console = Console()
-        n_params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
-        console.print(f"GPT {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, "
-                      f"{n_params / 1e3:.1f}K parameters; {args.ranks} ranks as {args.ranks // args.node_size} "
-                      f"node(s) x {args.node_size} on {device.type} ({args.backend}); {args.dtype} compute; "
-                      f"batch {args.batch} x {args.seq} tokens per rank")
-        console.print(f"loss: ln(vocab) = {math.log(args.vocab):.3f} at the start, "
-                      f"the language's entropy rate {language.entropy:.3f} at best")
-        progress = launch.progress_bar(console)
-        progress.start()
-    results = []
-    try:
-        for name, techniques in args.runs:
-            results.append(train(rank, args, device, group, language, cfg, name, techniques, progress))
-    finally:
-        if progress:
-            progress.stop()
-    if rank == 0:
-        report(console, results, args)
-    dist.barrier()
-    dist.destroy_process_group()
+    n_params = sum(p.numel() for p in gpt.GPT(cfg).parameters())
+    header = [f"GPT {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, "
+              f"{n_params / 1e3:.1f}K parameters; {args.ranks} ranks as {args.ranks // args.node_size} "
+              f"node(s) x {args.node_size} on {device.type} ({args.backend}); {args.dtype} compute; "
+              f"batch {args.batch} x {args.seq} tokens per rank",
+              f"loss: ln(vocab) = {math.log(args.vocab):.3f} at the start, "
+              f"the language's entropy rate {language.entropy:.3f} at best"]
+    launch.run_all(rank, header,
+                   [lambda progress, n=name, t=techniques: train(rank, args, device, group, language, cfg, n, t,
+                                                                 progress)
+                    for name, techniques in args.runs],
+                   lambda console, results: report(console, results, args))
 
 
 # ---- report ------------------------------------------------------------------------------
 def report(console, results, args):
-    fmt = launch.fmt_bytes
-    rows = [("final loss (mean of last 10)", [r["final_loss"] for r in results], lambda v: f"{v:.4f}"),
-            ("cross-node bytes / step", [sum(r["inter"]) for r in results], fmt)]
-    rows += [(f"  {c.replace('_', ' ')}", [r["inter"][i] for r in results], fmt) for i, c in enumerate(CATEGORIES)]
-    rows.append(("step time (median)", [r["step_ms"] for r in results], lambda v: f"{v:.1f} ms"))
+    rows = launch.summary_rows(results, CATEGORIES)
     if any(r["skipped"] for r in results):
         rows.append(("skipped steps (fp16 overflow)", [r["skipped"] for r in results], str))
     console.print(launch.comparison_table(
         f"{args.steps} steps, {args.ranks} ranks ({args.ranks // args.node_size} nodes x {args.node_size}), "
         f"{args.dtype}; bytes: mean per rank per step sent to other nodes", results, rows))
     if args.backend == "gloo":
-        console.print("Step times: local processes on shared CPU cores, loopback links; the bytes are what a "
-                      "cluster would carry between nodes.")
+        console.print(launch.LOOPBACK_NOTE)
 
 
 def main(argv=None):
