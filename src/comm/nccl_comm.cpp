@@ -73,20 +73,25 @@ NcclCommunicator::NcclCommunicator(const std::string& unique_id, int rank, int s
 }
 
 NcclCommunicator::~NcclCommunicator() {
-  if (!comm_) return;
   try {
-    cuda::DeviceGuard guard(device_);
-    ncclResult_t async = ncclSuccess;
-    api_.ncclCommGetAsyncError(comm_, &async);
-    // Destroy waits for queued work, which never ends once a peer failed: abort instead.
-    if (async != ncclSuccess)
-      api_.ncclCommAbort(comm_);
-    else
-      api_.ncclCommDestroy(comm_);
+    destroy();
   } catch (...) {
-    // No CUDA any more (process exit): NCCL's resources go with the process.
+    // No CUDA any more (process exit), or NCCL failed: its resources go with the process.
   }
-  comm_ = nullptr;
+}
+
+void NcclCommunicator::destroy() {
+  if (!comm_) return;
+  ncclComm_t c = comm_;
+  comm_ = nullptr;  // unusable from here on, even if NCCL reports an error below
+  cuda::DeviceGuard guard(device_);
+  ncclResult_t async = ncclSuccess;
+  api_.ncclCommGetAsyncError(c, &async);
+  // Destroy waits for queued work, which never ends once a peer failed: abort instead.
+  if (async != ncclSuccess)
+    QCOLL_NCCL_CHECK(api_.ncclCommAbort(c));
+  else
+    QCOLL_NCCL_CHECK(api_.ncclCommDestroy(c));
 }
 
 void NcclCommunicator::abort() {

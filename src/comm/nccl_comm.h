@@ -17,17 +17,20 @@ class NcclCommunicator final : public Communicator {
   // Collective: every member constructs at once (ncclCommInitRank blocks until all join).
   NcclCommunicator(const std::string& unique_id, int rank, int size,
                    std::vector<bool> member_is_local, int device);
-  // ncclCommDestroy (ncclCommAbort after an asynchronous error); never throws. NCCL may
-  // wait there for the other members on this node: drop communicators in the same order
-  // on every rank.
+  // destroy(), errors swallowed: never throws.
   ~NcclCommunicator() override;
 
   int device() const { return device_; }
   int nccl_version() const { return api_.version; }
   bool uses_call_stream() const override { return true; }
-  // Stops in-flight work and frees the communicator (after an error or a hang); it cannot
-  // be used afterwards.
+  // ncclCommDestroy (ncclCommAbort after an asynchronous error). NCCL may wait there for
+  // the other members on this node: destroy communicators in the same order on every rank.
+  // It cannot be used afterwards; a second call does nothing.
+  void destroy();
+  // Stops in-flight work and frees the communicator without waiting for any peer (after an
+  // error, a hang, or at interpreter exit); it cannot be used afterwards.
   void abort();
+  bool alive() const { return comm_ != nullptr; }
 
  protected:
   void do_all_to_all(BufferRef send, BufferRef recv, int64_t bytes_per_peer,

@@ -82,7 +82,10 @@ void bind_collectives(py::module_& m) {
            py::arg("size"), py::arg("member_is_local"), py::arg("device"))
       .def_property_readonly("device", &qcoll::NcclCommunicator::device)
       .def_property_readonly("nccl_version", &qcoll::NcclCommunicator::nccl_version)
-      .def("abort", &qcoll::NcclCommunicator::abort);
+      .def_property_readonly("alive", &qcoll::NcclCommunicator::alive)
+      // Both may wait on NCCL (destroy for the node's other members): release the GIL.
+      .def("destroy", &qcoll::NcclCommunicator::destroy, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &qcoll::NcclCommunicator::abort, py::call_guard<py::gil_scoped_release>());
 #endif
   m.def("nccl_version", &qcoll::nccl::nccl_version_string);
   m.def("nccl_unique_id", [] { return py::bytes(qcoll::nccl::nccl_unique_id()); });
