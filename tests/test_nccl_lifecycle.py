@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import types
+from datetime import timedelta
 
 import pytest
 import torch
@@ -131,11 +132,11 @@ def test_exchange_runs_on_the_tensors_device_and_passes_rank_0s_id(monkeypatch):
         nccl_unique_id=lambda: pytest.fail("only rank 0 makes the id"),
         NcclCommunicator=lambda *a: made.append(a) or FakeComm("c", [])))
     group = types.SimpleNamespace(rank=1, size=4, node_size=2, node=0, pg="the group's pg",
-                                  global_ranks=[0, 1, 2, 3])
+                                  global_ranks=[0, 1, 2, 3], timeout=timedelta(seconds=42))
     comm = _nccl.create_nccl_communicator(group, torch.device("cuda", 3))
     assert seen == [torch.device("cuda", 3)]
     assert gathered == [((None, None), "the group's pg")]
-    assert made == [(uid, 1, 4, [True, True, False, False], 3)]
+    assert made == [(uid, 1, 4, [True, True, False, False], 3, 42.0)]
     assert comm in _nccl._live_comms
     _nccl.destroy_communicator(comm)
     assert comm not in _nccl._live_comms

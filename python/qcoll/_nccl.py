@@ -63,7 +63,9 @@ def create_nccl_communicator(group, device: torch.device):
         raise RuntimeError(f"backend='nccl' cannot create an NCCL communicator for the group of "
                            f"global ranks {group.global_ranks} ({where})")
     local = [p // group.node_size == group.node for p in range(group.size)]
-    comm = _C.NcclCommunicator(infos[0][1], group.rank, group.size, local, device.index or 0)
+    # The group's timeout bounds every NCCL call (the core's watchdog aborts past it).
+    comm = _C.NcclCommunicator(infos[0][1], group.rank, group.size, local, device.index or 0,
+                               group.timeout.total_seconds())
     _live_comms.add(comm)
     return comm
 
