@@ -150,5 +150,5 @@ def _nccl_smoke(rank: int, world: int) -> str:
 
 
 def test_nccl_smoke_two_ranks():
-    versions = run_ranks(2, _nccl_smoke, env={r: _nccl_env(r) for r in range(2)}, timeout=50)
+    versions = run_ranks(2, _nccl_smoke, env={r: _nccl_env(r) for r in range(2)}, timeout=40)
     assert len(set(versions)) == 1, versions
