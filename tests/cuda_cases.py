@@ -1,7 +1,8 @@
 """The cases the CUDA kernels are checked on, shared by the GPU tests (test_quantize_cuda.py,
 test_wire_cuda.py) and the CPU emulator's tests (test_cuda_emu.py), so a GPU run and CI's
 emulator run check the same cases. In every case the CUDA kernels' bytes must equal the CPU
-kernels' bytes (codes, scales, chunks with their padding, values; NaN payloads aside).
+kernels' bytes (codes, scales, chunks with their padding, values; NaN payloads included:
+both store CUDA's canonical NaN for computed values).
 
 A Backend is how a test reaches the CUDA kernels: qcoll on a GPU, or the emulator module on
 CPU memory. It places inputs (optionally a few bytes past 16-byte alignment), runs the
@@ -137,11 +138,13 @@ class Backend:
             ref.assert_same_bytes(g[lo:hi], w[lo:hi], f"{what} [bytes {lo}:{hi}]")
 
     def same_values(self, got: torch.Tensor, want: torch.Tensor, what: str):
-        """Bitwise, every NaN matching every NaN."""
+        """Bitwise, NaN payloads included (both store CUDA's canonical NaN)."""
         self.sync()
         ranges = self.written(got)
         if ranges is None:
             ref.assert_same_bits(got.cpu(), want, what)
+            ref.assert_same_bytes(got.detach().cpu().reshape(-1).view(torch.uint8),
+                                  want.detach().reshape(-1).view(torch.uint8), what)
             return
         assert ranges, f"{what}: the blocks run wrote nothing here"
         g, w, e = got.cpu().reshape(-1), want.reshape(-1), got.element_size()
@@ -149,6 +152,9 @@ class Backend:
             assert lo % e == 0 and hi % e == 0, f"{what}: a partial element was written"
             ref.assert_same_bits(g[lo // e : hi // e], w[lo // e : hi // e],
                                  f"{what} [elements {lo // e}:{hi // e}]")
+            ref.assert_same_bytes(g[lo // e : hi // e].view(torch.uint8),
+                                  w[lo // e : hi // e].contiguous().view(torch.uint8),
+                                  f"{what} [elements {lo // e}:{hi // e}]")
 
 
 class GpuBackend(Backend):
@@ -264,7 +270,7 @@ def check_reduce_case(be: Backend, in_bits, out_name, n, group_size):
     for i, (sources, outputs, divisor, dtype, source_major, slack) in enumerate(REDUCE_CASES):
         buf, ss, os_ = make_sources(outputs, sources, n, in_bits, group_size, dtype,
                                     source_major, slack, ("cuda", in_bits, n, group_size, i),
-                                    nan_at=(0, sources - 1, n // 2) if i in (1, 2) else None)
+                                    nan_at=(0, sources - 1, n // 2) if i in (0, 1, 2) else None)
         out, _ = out_spec(out_name, dtype, n, group_size, outputs, DTYPES[i % 3])
         # Aligned, then shifted by 4 bytes (codes and values lose their vector paths).
         check_reduce(be, buf, in_bits, group_size, dtype, n, sources, ss, outputs, os_, divisor,

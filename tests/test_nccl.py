@@ -36,7 +36,7 @@ def _skip_reason():
 
 
 _REASON = _skip_reason()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 
 
 def _nccl_env(rank: int) -> dict:
@@ -121,3 +121,34 @@ def test_nccl_transport_matches_torch_nccl_and_gloo():
                          timeout=300)
     assert len(set(versions)) == 1, versions
     print(f"NCCL {versions[0]}: {WORLD} ranks on one GPU, node_size={NODE}")
+
+
+def _nccl_smoke(rank: int, world: int) -> str:
+    """The smallest end-to-end check: one raw-NCCL all-gather equals torch's NCCL, one
+    quantized reduce-scatter equals the gloo one, the group closes cleanly."""
+    from qcoll import _nccl
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    ours = qcoll.new_group(None, node_size=1, backend="nccl")
+    gloo = qcoll.new_group(None, node_size=1, backend="torch")
+    x = torch.arange(1000, dtype=torch.float32) + 1000 * rank
+    out = torch.empty(world * 1000, dtype=torch.float32, device=dev)
+    qcoll.quantized_allgather(out, x.to(dev), ours, bits=None)
+    ref.assert_same_bits(out.cpu(), torch.cat([torch.arange(1000.0) + 1000 * r
+                                               for r in range(world)]), "smoke allgather")
+    inp = torch.randn(world * 1000, generator=torch.Generator().manual_seed(rank))
+    got = torch.empty(1000, device=dev)
+    qcoll.quantized_reduce_scatter(got, inp.to(dev), ours, intra_bits=8, inter_bits=4)
+    want = torch.empty(1000)
+    qcoll.quantized_reduce_scatter(want, inp, gloo, intra_bits=8, inter_bits=4)
+    ref.assert_same_bits(got.cpu(), want, "smoke reduce_scatter")
+    torch.cuda.synchronize()
+    ours.close()
+    assert not _nccl._live_comms, "close() must destroy the group's NCCL communicator"
+    return _nccl.nccl_version()
+
+
+def test_nccl_smoke_two_ranks():
+    versions = run_ranks(2, _nccl_smoke, env={r: _nccl_env(r) for r in range(2)}, timeout=40)
+    assert len(set(versions)) == 1, versions

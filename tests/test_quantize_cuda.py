@@ -11,10 +11,10 @@ import qcoll
 import reference as ref
 from conftest import make_values
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and qcoll.build_info()["cuda_available"]),
     reason="needs a CUDA device and a qcoll build with CUDA kernels",
-)
+)]
 
 DEVICE = torch.device("cuda")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -123,6 +123,7 @@ def test_cuda_runs_on_current_stream():
     ref.assert_same_bits(y.cpu(), qcoll.dequantize(expect))
 
 
+@pytest.mark.gpu(count=2)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_cuda_second_device():
     x = make_values(5000, torch.bfloat16, "normal", 64)

@@ -14,10 +14,10 @@ import reference as ref
 from qcoll import _C
 from test_wire import CODE, DTYPES, OUTS, chunk_bytes, run_encode, run_reduce
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and qcoll.build_info()["cuda_available"]),
     reason="needs a CUDA device and a qcoll build with CUDA kernels",
-)
+)]
 
 DEVICE = torch.device("cuda")
 

@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
 # Everything qcoll needs a GPU for, in one call on a lent GPU machine (../shared/gpu/README.md:
-# Python 3.12, torch with CUDA, nvcc, no package registry, sm_90):
+# Python 3.12, torch with CUDA, nvcc, pytest-timeout, no package registry, no .git, sm_90):
 #
 #   bash bench/gpu/run.sh [OUT_DIR]        (OUT_DIR defaults to $OUT, else ./gpu-out)
 #
-# Steps: machine facts; build qcoll with its CUDA kernels; the GPU tests
-# (test_quantize_cuda, test_wire_cuda, test_nccl); the `kernels` suite on CUDA; the
+# Steps: machine facts; build qcoll with its CUDA kernels; import; a 2-rank NCCL smoke test
+# (60 s); the GPU tests (test_quantize_cuda, test_wire_cuda, test_nccl); compute-sanitizer
+# memcheck and racecheck over the CUDA kernel tests; the `kernels` suite on CUDA; the
 # `collectives` suite with 4 NCCL ranks sharing GPU 0 (correctness and bytes only: ranks
-# time-slice one GPU, so its times mean little); last, the rest of the test suite. Every step runs even if
-# an earlier one failed (after a failed build the later ones fail fast and say so); each
-# step's exit code, duration and log tail go into ONE results file:
+# time-slice one GPU, so its times mean little); last, the rest of the test suite. Every
+# step runs even if an earlier one failed (after a failed build the later ones fail fast
+# and say so). Every pytest step has a per-test timeout (pytest-timeout) well under the
+# step's limit, so a hang names its test. QCOLL_EXPECT_GPU=1 is exported: a GPU test that
+# skips fails. Each step's exit code, duration and log tail go into ONE results file:
 #
-#   OUT_DIR/gpu-results.json   {"steps": [...], "kernels": {...}, "collectives": {...}, ...}
+#   OUT_DIR/gpu-results.json   {"steps": [...], "failed_steps": [...], "kernels_cuda": ...}
 #   OUT_DIR/gpu-run.log        the full `set -x` log
+#   OUT_DIR/steps/NAME.log     each step's whole log, written as it runs
 #   OUT_DIR/kernels-cuda.png   the kernels chart
 #
 # QCOLL_GPU_STEPS="import kernels_cuda" runs only the named steps (default: all).
 # The whole script keeps within QCOLL_GPU_BUDGET_S seconds (default 560: the device tool
 # gives one command 600 s), cutting each step's time limit to what is left.
+# QCOLL_GPU_DRY_RUN=1 runs the same step machinery on a fake step list (no GPU, no build):
+# tests/test_gpu_run_script.py checks it on CPU.
 set -u -o pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 OUT_DIR=${1:-${OUT:-$PWD/gpu-out}}
-mkdir -p "$OUT_DIR"
+mkdir -p "$OUT_DIR/steps"
 WORK=$(mktemp -d /tmp/qcoll-gpu.XXXXXX)
 LOG="$OUT_DIR/gpu-run.log"
 STEPS="$WORK/steps.jsonl"
@@ -30,7 +36,7 @@ exec > >(tee -a "$LOG") 2>&1
 set -x
 START=$(date +%s)
 BUDGET=${QCOLL_GPU_BUDGET_S:-560}
-export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 QCOLL_EXPECT_GPU=1
 export QCOLL_CUDA=ON QCOLL_CUDA_ARCHS=${QCOLL_CUDA_ARCHS:-90} QCOLL_BUILD_JOBS=${QCOLL_BUILD_JOBS:-$(nproc)}
 
 ONLY=${QCOLL_GPU_STEPS:-}  # e.g. "import kernels_cuda": run only these steps
@@ -42,7 +48,7 @@ step() {
   if [[ -n "$ONLY" && " $ONLY " != *" $name "* ]]; then return 0; fi
   local left=$((BUDGET - ($(date +%s) - START)))
   local limit=$((max < left ? max : left))
-  local slog="$WORK/$name.log" t0 rc
+  local slog="$OUT_DIR/steps/$name.log" t0 rc
   t0=$(date +%s)
   if ((limit < 5)); then
     echo "skipped: out of time budget" >"$slog"
@@ -63,24 +69,51 @@ EOF
   return 0
 }
 
-step machine 60 bash -c 'nvidia-smi; nvcc --version; python3 -V; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.nccl.version())"; nproc; git log -1 --oneline'
-step build 300 python3 -m pip install --no-build-isolation --no-deps -e . -q
-step import 60 python3 -c "import json, qcoll; i = qcoll.build_info(); print(json.dumps(i)); assert i['cuda_available'], 'no CUDA in this build'"
-step tests_gpu 240 python3 -m pytest -q -rs -p no:cacheprovider tests/test_quantize_cuda.py tests/test_wire_cuda.py tests/test_nccl.py
-step kernels_cuda 150 python3 bench/run.py kernels --device cuda --json "$WORK/kernels-cuda.json" --plot "$OUT_DIR/kernels-cuda.png"
-step collectives_nccl 150 python3 bench/run.py collectives --device cuda --quick --json "$WORK/collectives-nccl.json"
+# pytest_step NAME MAX_SECONDS PER_TEST_SECONDS ARGS...: pytest with a per-test timeout
+# (pytest-timeout dumps the hung test's stacks and fails it; the step goes on).
+pytest_step() {
+  local name=$1 max=$2 per_test=$3
+  shift 3
+  step "$name" "$max" python3 -m pytest -q -rs -p no:cacheprovider --timeout="$per_test" "$@"
+}
 
-# Last: the CPU tests (CI runs them too), with whatever time is left.
-step tests_rest 240 python3 -m pytest -q -rs -p no:cacheprovider --continue-on-collection-errors tests \
-  --ignore=tests/test_quantize_cuda.py --ignore=tests/test_wire_cuda.py --ignore=tests/test_nccl.py
+KERNEL_TESTS=(tests/test_quantize_cuda.py tests/test_wire_cuda.py)
+# Under the sanitizers kernels run 10-100x slower: the small cases only.
+SANITIZE_K="not large and not big and not past_grid_cap and not second_device"
+
+if [[ ${QCOLL_GPU_DRY_RUN:-0} == 1 ]]; then
+  # The machinery on a fake list: a pass, a failure, a hang past its limit, a step left
+  # without time, and a pytest step whose one test hangs past its per-test timeout.
+  step passes 10 bash -c 'echo hello from passes'
+  step fails 10 bash -c 'echo about to fail; exit 3'
+  pytest_step pytest_hang 20 "${QCOLL_GPU_DRY_TIMEOUT:-2}" "$QCOLL_GPU_DRY_TEST"
+  step hangs "${QCOLL_GPU_DRY_HANG_S:-2}" sleep 60
+  step late 60 bash -c 'echo should not run'
+else
+  step machine 60 bash -c 'nvidia-smi; nvcc --version; python3 -V; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.nccl.version())"; nproc; compute-sanitizer --version | tail -1'
+  step build 300 python3 -m pip install --no-build-isolation --no-deps -e . -q
+  step import 60 python3 -c "import json, qcoll; i = qcoll.build_info(); print(json.dumps(i)); assert i['cuda_available'], 'no CUDA in this build'; assert i['nccl'], 'qcoll cannot load NCCL'"
+  pytest_step smoke_nccl 60 50 tests/test_nccl.py -k smoke
+  pytest_step tests_gpu 240 120 "${KERNEL_TESTS[@]}" tests/test_nccl.py -k "not smoke"
+  step memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 20 \
+    python3 -m pytest -q -x -p no:cacheprovider --timeout=80 "${KERNEL_TESTS[@]}" -k "$SANITIZE_K"
+  step racecheck 90 compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 1 \
+    --print-limit 20 python3 -m pytest -q -x -p no:cacheprovider --timeout=80 \
+    "${KERNEL_TESTS[@]}" -k "$SANITIZE_K"
+  step kernels_cuda 150 python3 bench/run.py kernels --device cuda --json "$WORK/kernels-cuda.json" --plot "$OUT_DIR/kernels-cuda.png"
+  step collectives_nccl 150 python3 bench/run.py collectives --device cuda --quick --json "$WORK/collectives-nccl.json"
+  # Last: the CPU tests (CI runs them too), with whatever time is left.
+  pytest_step tests_rest 240 120 --continue-on-collection-errors tests \
+    --ignore=tests/test_quantize_cuda.py --ignore=tests/test_wire_cuda.py --ignore=tests/test_nccl.py
+fi
 
 # One results file: the steps and every suite's JSON.
-python3 - "$STEPS" "$WORK" "$OUT_DIR/gpu-results.json" <<'EOF'
+python3 - "$STEPS" "$WORK" "$OUT_DIR/gpu-results.json" "$BUDGET" <<'EOF'
 import datetime, json, os, sys
-steps_path, work, out = sys.argv[1:]
+steps_path, work, out, budget = sys.argv[1:]
 steps = [json.loads(line) for line in open(steps_path)]
 result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "command": "bash bench/gpu/run.sh", "steps": steps,
+          "command": "bash bench/gpu/run.sh", "budget_s": int(budget), "steps": steps,
           "failed_steps": [s["step"] for s in steps if s["rc"] != 0]}
 for name in ("kernels-cuda", "collectives-nccl"):
     path = os.path.join(work, name + ".json")

@@ -76,6 +76,14 @@ QCOLL_HD bool is_finite(float x) { return (float_bits(x) & 0x7f800000u) != 0x7f8
 
 QCOLL_HD float quiet_nan() { return bits_float(0x7fc00000u); }
 
+// The bits of a computed fp32 value as stored by the kernels: any NaN becomes CUDA's
+// canonical 0x7fffffff (what GPU arithmetic produces; x86 keeps the operand's payload and
+// sign), so CPU and CUDA outputs carry the same bytes. Raw copies keep their payload.
+QCOLL_HD uint32_t float_to_fp32_bits(float f) {
+  const uint32_t u = float_bits(f);
+  return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fffffffu : u;
+}
+
 // Round half to even for |v| < 2^22 (codes are at most 255 in magnitude). Adding and
 // subtracting 1.5 * 2^23 rounds in the FPU's default mode (nearest-even) on any ISA and
 // vectorizes with plain SSE2; on the GPU rintf is one instruction with the same result.

@@ -1,17 +1,26 @@
 """qcoll's own NCCL communicators (raw ncclComm_t), created per qcoll.Group on first use.
 
 The root's ncclUniqueId travels through the group's ProcessGroup; NCCL itself is the
-libnccl.so.2 torch already loaded (or QCOLL_NCCL_PATH), resolved at run time by the core."""
+libnccl.so.2 torch already loaded (or QCOLL_NCCL_PATH), resolved at run time by the core.
+
+Lifetime: Group.close() / qcoll.destroy() destroy the communicators in the same order on
+every rank (ncclCommDestroy may wait for the node's other members). Any communicator still
+alive at interpreter exit is aborted, never destroyed: destroy would wait forever for a
+peer that has already gone."""
 
 from __future__ import annotations
 
+import atexit
 import functools
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from . import _C
 from .info import _static_info
+
+_live_comms: "weakref.WeakSet" = weakref.WeakSet()  # aborted at interpreter exit
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,15 +35,54 @@ def nccl_available() -> bool:
     return bool(nccl_version())
 
 
-def create_nccl_communicator(group, device: torch.device):
+def _local_problem() -> str | None:
+    """Why this rank cannot create an NCCL communicator, or None."""
     if not _static_info()["cuda"]:
-        raise ValueError("backend='nccl' needs qcoll built with CUDA kernels")
+        return "qcoll was built without CUDA kernels (build it where nvcc is found)"
     if not nccl_available():
-        raise RuntimeError("backend='nccl': no NCCL library could be loaded (set QCOLL_NCCL_PATH "
-                           "to libnccl.so.2, or import torch's CUDA build first)")
-    uid = [_C.nccl_unique_id() if group.rank == 0 else None]
+        return ("no NCCL library could be loaded (set QCOLL_NCCL_PATH to libnccl.so.2, or "
+                "import torch's CUDA build first)")
+    return None
+
+
+def create_nccl_communicator(group, device: torch.device):
+    """Collective over the group's members: every rank reports whether it can use NCCL and
+    rank 0 adds the unique id, in one exchange, so a rank without NCCL makes every rank
+    raise instead of leaving the others waiting in ncclCommInitRank. The exchange runs on
+    `device` (the call's tensor's), not on whatever device happens to be current."""
+    problem = _local_problem()
+    uid = _C.nccl_unique_id() if group.rank == 0 and problem is None else None
+    infos = [(problem, uid)]
     if group.size > 1:
-        root = group.global_ranks[0]
-        dist.broadcast_object_list(uid, src=root, group=group.pg)
+        infos = [None] * group.size
+        with torch.cuda.device(device):  # object collectives of an NCCL pg use the current device
+            dist.all_gather_object(infos, (problem, uid), group=group.pg)
+    failed = {r: p for r, (p, _) in enumerate(infos) if p is not None}
+    if failed:
+        where = "; ".join(f"rank {r}: {p}" for r, p in sorted(failed.items()))
+        raise RuntimeError(f"backend='nccl' cannot create an NCCL communicator for the group of "
+                           f"global ranks {group.global_ranks} ({where})")
     local = [p // group.node_size == group.node for p in range(group.size)]
-    return _C.NcclCommunicator(uid[0], group.rank, group.size, local, device.index or 0)
+    # The group's timeout bounds every NCCL call (the core's watchdog aborts past it).
+    comm = _C.NcclCommunicator(infos[0][1], group.rank, group.size, local, device.index or 0,
+                               group.timeout.total_seconds())
+    _live_comms.add(comm)
+    return comm
+
+
+def destroy_communicator(comm) -> None:
+    """ncclCommDestroy now (ncclCommAbort after an asynchronous error). Collective in order:
+    every rank destroys its communicators in the same sequence (Group.close does)."""
+    _live_comms.discard(comm)
+    comm.destroy()
+
+
+@atexit.register
+def _abort_at_exit() -> None:
+    # At exit a peer may already be gone: abort frees without waiting for it.
+    for comm in list(_live_comms):
+        try:
+            comm.abort()
+        except Exception:  # noqa: BLE001 - exit must go on; nothing can be reported to
+            pass
+    _live_comms.clear()

@@ -118,15 +118,22 @@ class Group:
 
     # ---- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
-        """Finish the calls in flight, stop the worker thread and destroy the ProcessGroups
-        this Group created (its sub-groups' too). Collective: every member calls it, in the
-        same order relative to other groups. The Group cannot be used afterwards."""
+        """Finish the calls in flight, stop the worker thread and destroy the NCCL
+        communicators and ProcessGroups this Group created (its sub-groups' too: intra, inter,
+        then its own, so every rank destroys them in the same order). Collective: every member
+        calls it, in the same order relative to other groups. The Group cannot be used
+        afterwards."""
         if self._closed:
             return
         self._calls.close()
         for g in (self._intra, self._inter, self):
             if g is not None and not g._closed:
                 g._closed = True
+                if g._nccl_comm is not None:
+                    from ._nccl import destroy_communicator
+
+                    comm, g._nccl_comm = g._nccl_comm, None
+                    destroy_communicator(comm)
                 if g._owned_pg is not None:
                     dist.destroy_process_group(g._owned_pg)
                     g._owned_pg = None
@@ -134,6 +141,8 @@ class Group:
     # ---- transports --------------------------------------------------------------------
     def communicator(self, device: torch.device):
         """The C++ communicator for a call on `device`, and the buffer registry it reads."""
+        if self._closed:
+            raise RuntimeError(f"{self!r} was closed: create a new group")
         if self._use_nccl(device):
             if self._nccl_comm is None:
                 from ._nccl import create_nccl_communicator

@@ -3,6 +3,7 @@
 #include "comm/nccl_comm.h"
 
 #include <cstring>
+#include <sstream>
 #include <utility>
 
 #include "cuda/cuda_check.h"
@@ -50,8 +51,14 @@ ncclDataType_t nccl_type(DType t) {
 }  // namespace
 
 NcclCommunicator::NcclCommunicator(const std::string& unique_id, int rank, int size,
-                                   std::vector<bool> member_is_local, int device)
-    : Communicator(rank, size, std::move(member_is_local)), api_(nccl_api()), device_(device) {
+                                   std::vector<bool> member_is_local, int device,
+                                   double timeout_s)
+    : Communicator(rank, size, std::move(member_is_local)),
+      api_(nccl_api()),
+      device_(device),
+      timeout_(static_cast<int64_t>(timeout_s * 1000.0)) {
+  QCOLL_ARG_CHECK(timeout_s > 0, "NCCL communicator timeout must be > 0 seconds, got ",
+                  timeout_s);
   QCOLL_ARG_CHECK(unique_id.size() == static_cast<size_t>(kUniqueIdBytes),
                   "NCCL unique id must be ", kUniqueIdBytes, " bytes, got ", unique_id.size());
   QCOLL_ARG_CHECK(device >= 0, "NCCL communicator device index ", device, " < 0");
@@ -70,34 +77,117 @@ NcclCommunicator::NcclCommunicator(const std::string& unique_id, int rank, int s
       throw;
     }
   }
+  watchdog_ = std::thread([this] { watchdog_loop(); });
+}
+
+namespace {
+constexpr auto kPollInterval = std::chrono::milliseconds(10);
+}
+
+void NcclCommunicator::watch(const char* what, cudaStream_t stream) {
+  cudaEvent_t event = nullptr;
+  QCOLL_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  const cudaError_t recorded = cudaEventRecord(event, stream);
+  if (recorded != cudaSuccess) cudaEventDestroy(event);
+  QCOLL_CUDA_CHECK(recorded);
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_.push_back(Pending{event, std::chrono::steady_clock::now() + timeout_, what});
+}
+
+void NcclCommunicator::watchdog_loop() {
+  try {
+    cuda::DeviceGuard guard(device_);
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_ && !failed_) {
+      wake_.wait_for(lock, kPollInterval);
+      if (stop_) break;
+      std::string why;
+      ncclResult_t async = ncclSuccess;
+      if (api_.ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
+          async != ncclInProgress)
+        why = std::string("NCCL reported an asynchronous error: ") + api_.ncclGetErrorString(async);
+      while (why.empty() && !pending_.empty()) {
+        const Pending& p = pending_.front();
+        const cudaError_t q = cudaEventQuery(p.event);
+        if (q == cudaSuccess) {
+          cudaEventDestroy(p.event);
+          pending_.pop_front();
+        } else if (q != cudaErrorNotReady) {
+          why = std::string("CUDA error while waiting for NCCL ") + p.what + ": " +
+                cudaGetErrorString(q);
+        } else if (std::chrono::steady_clock::now() > p.deadline) {
+          std::ostringstream os;
+          os << "NCCL " << p.what << " did not complete within the timeout of "
+             << timeout_.count() / 1000.0 << " s (a peer died, hangs or never made the call)";
+          why = os.str();
+        } else {
+          break;  // in order: later calls cannot have completed first
+        }
+      }
+      if (why.empty()) continue;
+      // Abort ends this rank's NCCL kernels (the pending events then complete); the
+      // communicator stays unusable and every later call raises `why`.
+      failure_ = "NCCL communicator aborted: " + why;
+      failed_ = true;
+      api_.ncclCommAbort(comm_);
+    }
+  } catch (...) {
+    // No CUDA context for this thread (process exit): nothing left to watch.
+  }
+}
+
+void NcclCommunicator::stop_watchdog() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  for (const Pending& p : pending_) cudaEventDestroy(p.event);
+  pending_.clear();
+}
+
+std::string NcclCommunicator::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
 }
 
 NcclCommunicator::~NcclCommunicator() {
-  if (!comm_) return;
   try {
-    cuda::DeviceGuard guard(device_);
-    ncclResult_t async = ncclSuccess;
-    api_.ncclCommGetAsyncError(comm_, &async);
-    // Destroy waits for queued work, which never ends once a peer failed: abort instead.
-    if (async != ncclSuccess)
-      api_.ncclCommAbort(comm_);
-    else
-      api_.ncclCommDestroy(comm_);
+    destroy();
   } catch (...) {
-    // No CUDA any more (process exit): NCCL's resources go with the process.
+    // No CUDA any more (process exit), or NCCL failed: its resources go with the process.
   }
-  comm_ = nullptr;
+}
+
+void NcclCommunicator::destroy() {
+  if (!comm_) return;
+  stop_watchdog();
+  ncclComm_t c = comm_;
+  comm_ = nullptr;  // unusable from here on, even if NCCL reports an error below
+  if (failed_) return;  // the watchdog aborted it: nothing left to free
+  cuda::DeviceGuard guard(device_);
+  ncclResult_t async = ncclSuccess;
+  api_.ncclCommGetAsyncError(c, &async);
+  // Destroy waits for queued work, which never ends once a peer failed: abort instead.
+  if (async != ncclSuccess)
+    QCOLL_NCCL_CHECK(api_.ncclCommAbort(c));
+  else
+    QCOLL_NCCL_CHECK(api_.ncclCommDestroy(c));
 }
 
 void NcclCommunicator::abort() {
   if (!comm_) return;
+  stop_watchdog();
   ncclComm_t c = comm_;
   comm_ = nullptr;
+  if (failed_) return;  // the watchdog aborted it already
   QCOLL_NCCL_CHECK(api_.ncclCommAbort(c));
 }
 
 cudaStream_t NcclCommunicator::stream_of(const Device& dev) const {
-  QCOLL_CHECK(comm_ != nullptr, "NCCL communicator was aborted");
+  QCOLL_CHECK(comm_ != nullptr, "NCCL communicator was destroyed or aborted");
+  if (failed_) throw Error(error());
   QCOLL_ARG_CHECK(dev.kind == DeviceKind::kCUDA && dev.index == device_,
                   "NCCL communicator of cuda:", device_, " got buffers on ",
                   dev.kind == DeviceKind::kCUDA ? "cuda:" : "cpu:", dev.index);
@@ -126,6 +216,7 @@ void NcclCommunicator::do_all_to_all(BufferRef send, BufferRef recv, int64_t byt
     QCOLL_NCCL_CHECK_COMM(api_.ncclRecv(r + off, n, ncclUint8, p, comm_, stream), comm_);
   }
   group.end();
+  watch("all-to-all", stream);
 }
 
 void NcclCommunicator::do_all_gather(BufferRef send, BufferRef recv, int64_t bytes,
@@ -136,6 +227,7 @@ void NcclCommunicator::do_all_gather(BufferRef send, BufferRef recv, int64_t byt
   QCOLL_NCCL_CHECK_COMM(api_.ncclAllGather(send.ptr, recv.ptr, static_cast<size_t>(bytes),
                                            ncclUint8, comm_, stream),
                         comm_);
+  watch("all-gather", stream);
 }
 
 void NcclCommunicator::do_reduce_scatter(BufferRef send, BufferRef recv, int64_t count,
@@ -155,6 +247,7 @@ void NcclCommunicator::do_reduce_scatter(BufferRef send, BufferRef recv, int64_t
   QCOLL_NCCL_CHECK_COMM(api_.ncclReduceScatter(send.ptr, recv.ptr, static_cast<size_t>(count),
                                                type, nop, comm_, stream),
                         comm_);
+  watch("reduce-scatter", stream);
 }
 
 }  // namespace qcoll

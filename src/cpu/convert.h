@@ -42,11 +42,15 @@ inline __attribute__((always_inline)) void load_as_float(const void* src, DType 
   }
 }
 
+// Stores computed values (raw copies of the input never come here): NaN is stored as
+// CUDA's canonical NaN in every dtype, so CPU and GPU write the same bytes.
 inline __attribute__((always_inline)) void store_from_float(const float* src, DType t, int64_t n, void* dst) {
   switch (t) {
-    case DType::kFloat32:
-      std::memcpy(dst, src, static_cast<size_t>(n) * 4);
+    case DType::kFloat32: {
+      uint32_t* d = static_cast<uint32_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = math::float_to_fp32_bits(src[i]);
       return;
+    }
     case DType::kBFloat16: {
       uint16_t* d = static_cast<uint16_t*>(dst);
       for (int64_t i = 0; i < n; ++i) d[i] = math::float_to_bf16_bits(src[i]);

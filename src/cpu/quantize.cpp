@@ -78,7 +78,12 @@ QCOLL_INLINE void dequantize_group(const DequantizeArgs& a, int64_t g) {
     const int64_t m = std::min(kChunk, len - c);
     const uint8_t* in = a.codes + code_bytes(begin + c, a.bits);
     if (a.dtype == DType::kFloat32) {
-      decode_chunk(in, m, p, a.bits, a.symmetric, reinterpret_cast<float*>(dst + c * esize));
+      float* out = reinterpret_cast<float*>(dst + c * esize);
+      decode_chunk(in, m, p, a.bits, a.symmetric, out);
+      // A non-finite group's NaN scale (or offset) makes every value NaN: store CUDA's
+      // canonical NaN, as store_from_float does for the other dtypes.
+      if (!math::is_finite(p.scale) || !math::is_finite(p.offset))
+        store_from_float(out, DType::kFloat32, m, out);
     } else {
       decode_chunk(in, m, p, a.bits, a.symmetric, buf);
       store_from_float(buf, a.dtype, m, dst + c * esize);

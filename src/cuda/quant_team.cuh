@@ -42,7 +42,9 @@ __device__ __forceinline__ int packet_count(int64_t remaining) {
 struct Fp32 {
   using Bits = uint32_t;
   __device__ static float to_float(uint32_t b) { return __uint_as_float(b); }
-  __device__ static uint32_t from_float(float f) { return __float_as_uint(f); }
+  // The canonical NaN as the CPU kernels store it (hardware arithmetic already gives it;
+  // explicit so every path, and the emulator on x86, agree).
+  __device__ static uint32_t from_float(float f) { return ::qcoll::math::float_to_fp32_bits(f); }
 };
 
 struct Bf16 {

@@ -77,12 +77,16 @@ void bind_collectives(py::module_& m) {
   // Construction blocks in ncclCommInitRank until every rank joined: release the GIL.
   py::class_<qcoll::NcclCommunicator, Communicator, std::shared_ptr<qcoll::NcclCommunicator>>(
       m, "NcclCommunicator")
-      .def(py::init<const std::string&, int, int, std::vector<bool>, int>(),
+      .def(py::init<const std::string&, int, int, std::vector<bool>, int, double>(),
            py::call_guard<py::gil_scoped_release>(), py::arg("unique_id"), py::arg("rank"),
-           py::arg("size"), py::arg("member_is_local"), py::arg("device"))
+           py::arg("size"), py::arg("member_is_local"), py::arg("device"), py::arg("timeout_s"))
+      .def_property_readonly("error", &qcoll::NcclCommunicator::error)
       .def_property_readonly("device", &qcoll::NcclCommunicator::device)
       .def_property_readonly("nccl_version", &qcoll::NcclCommunicator::nccl_version)
-      .def("abort", &qcoll::NcclCommunicator::abort);
+      .def_property_readonly("alive", &qcoll::NcclCommunicator::alive)
+      // Both may wait on NCCL (destroy for the node's other members): release the GIL.
+      .def("destroy", &qcoll::NcclCommunicator::destroy, py::call_guard<py::gil_scoped_release>())
+      .def("abort", &qcoll::NcclCommunicator::abort, py::call_guard<py::gil_scoped_release>());
 #endif
   m.def("nccl_version", &qcoll::nccl::nccl_version_string);
   m.def("nccl_unique_id", [] { return py::bytes(qcoll::nccl::nccl_unique_id()); });
