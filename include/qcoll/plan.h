@@ -12,12 +12,13 @@
 namespace qcoll {
 
 // Pipelining pays only when each stage's slice is large enough for the overlap to beat the
-// extra exchanges. Measured (bench/suites/collectives.py "pipeline" rows; results in
-// bench/results/pipeline-cpu.json and pipeline-cluster-cpu.json, 2 nodes x 2, fp32): slices
-// of 4-8 MB ran 0.94-1.09x the one-stage time, 2 MB 0.91-1.04x, 1 MB and less 0.49-1.02x.
-// A requested stage count that would cut one partition's slice below this many input
-// bytes is reduced (to one stage at least).
-inline constexpr int64_t kMinPipelineStageBytes = int64_t{4} << 20;
+// extra exchanges. Measured (bench/suites/collectives.py "pipeline" rows, 2 nodes x 2, fp32;
+// bench/results/pipeline-cpu.json on a quiet machine, pipeline-cluster-cpu.json at 1 / 10
+// Gbit/s): on loopback, slices of 8 MB ran 0.95x the one-stage time, 4 MB 0.84x, 2 MB
+// 0.84-0.89x, 1 MB and less 0.54-0.80x; at 1 Gbit/s 4-8 MB slices ran 1.02-1.07x. A requested
+// stage count that would cut one partition's slice below this many input bytes is reduced
+// (to one stage at least), so no setting costs more than ~5-10% over one stage.
+inline constexpr int64_t kMinPipelineStageBytes = int64_t{8} << 20;
 
 struct ReduceScatterPlan {
   int32_t world = 1;
