@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ._dtypes import DTYPE_CODES
 from .collectives import _check_bits, quantized_allgather, quantized_reduce_scatter
-from .group import Group, new_group
+from .group import Group, resolve_group
 from .quantization import check_group_size
 
 MIN_TORCH = "2.9"
@@ -50,9 +50,6 @@ def _require_api() -> None:
 
 
 # ---- the qcoll.Group behind a ProcessGroup FSDP2 hands over ------------------------------
-
-_groups: dict = {}
-
 
 def _check_node_size(node_size) -> Optional[int]:
     if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int)
@@ -83,12 +80,15 @@ def qcoll_group(pg, node_size: Optional[int] = None) -> Group:
     """The qcoll.Group for a ProcessGroup FSDP2 passes, created once (collectively, on the
     first call every member makes). node_size: ranks per node of the whole world (None:
     LOCAL_WORLD_SIZE for the world, ranks per host for sub-groups; see qcoll.new_group)."""
+    if node_size is None:
+        return resolve_group(pg)
     key = (pg, node_size)
-    group = _groups.get(key)
-    if group is None:
-        ns = None if node_size is None else node_size_within(dist.get_process_group_ranks(pg), node_size)
-        group = _groups[key] = new_group(pg, node_size=ns)
-    return group
+    if key not in _group_node_sizes:  # per group, not per call
+        _group_node_sizes[key] = node_size_within(dist.get_process_group_ranks(pg), node_size)
+    return resolve_group(pg, node_size=_group_node_sizes[key])
+
+
+_group_node_sizes: dict = {}
 
 
 # ---- async handles FSDP2 waits on ----------------------------------------------------------
