@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -58,6 +59,24 @@ def test_dry_run_records_every_step_outcome(tmp_path):
     for name in steps:  # whole logs, written as the steps run
         assert (out / "steps" / f"{name}.log").exists(), name
     assert "=== step hangs: rc=124" in (out / "gpu-run.log").read_text()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_step_selects_every_gpu_test(tmp_path):
+    env = dict(os.environ, QCOLL_GPU_DRY_RUN="list",
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ["PATH"]]))
+    done = subprocess.run(["bash", str(SCRIPT), str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    collected = [line for line in done.stdout.splitlines() if line.startswith("tests/")]
+    selected = {line.split("::")[0].rsplit("/", 1)[-1] for line in collected}
+    marking = re.compile(r"^(pytestmark = .*pytest\.mark\.gpu|@pytest\.mark\.gpu)", re.M)
+    marked = {p.name for p in SCRIPT.parents[2].joinpath("tests").glob("test_*.py")
+              if marking.search(p.read_text()) and p.name != "test_expect_gpu.py"}  # its sample
+    assert {"test_nccl.py", "test_gpu_streams.py", "test_quantize_cuda.py"} <= marked
+    assert marked <= selected, f"GPU tests the GPU step would not run: {sorted(marked - selected)}"
+    assert "tests/test_gpu_streams.py::test_cuda_graph_capture_replays_the_same_bits" in collected
+    assert not [c for c in collected if "smoke" in c], "the smoke test has its own step"
 
 
 def test_script_needs_no_git_and_expects_a_gpu():

@@ -5,7 +5,8 @@
 #   bash bench/gpu/run.sh [OUT_DIR]        (OUT_DIR defaults to $OUT, else ./gpu-out)
 #
 # Steps: machine facts; build qcoll with its CUDA kernels; import; a 2-rank NCCL smoke test
-# (60 s); the GPU tests (test_quantize_cuda, test_wire_cuda, test_nccl); compute-sanitizer
+# (60 s); every test marked gpu (pytest -m gpu: the kernels, the NCCL transport, streams,
+# CUDA graphs, failure detection); compute-sanitizer
 # memcheck and racecheck over the CUDA kernel tests; the `kernels` suite on CUDA; the
 # `collectives` suite with 4 NCCL ranks sharing GPU 0 (correctness and bytes only: ranks
 # time-slice one GPU, so its times mean little); last, the rest of the test suite. Every
@@ -23,7 +24,8 @@
 # The whole script keeps within QCOLL_GPU_BUDGET_S seconds (default 560: the device tool
 # gives one command 600 s), cutting each step's time limit to what is left.
 # QCOLL_GPU_DRY_RUN=1 runs the same step machinery on a fake step list (no GPU, no build):
-# tests/test_gpu_run_script.py checks it on CPU.
+# tests/test_gpu_run_script.py checks it on CPU. QCOLL_GPU_DRY_RUN=list prints the tests the
+# GPU step selects (pytest --collect-only, same arguments) and exits.
 set -u -o pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT_DIR=${1:-${OUT:-$PWD/gpu-out}}
@@ -78,6 +80,15 @@ pytest_step() {
 }
 
 KERNEL_TESTS=(tests/test_quantize_cuda.py tests/test_wire_cuda.py)
+# Every test marked gpu but the smoke test (its own step, first).
+GPU_TESTS=(tests -m gpu -k "not smoke")
+
+if [[ ${QCOLL_GPU_DRY_RUN:-0} == list ]]; then
+  python3 -m pytest --collect-only -q -p no:cacheprovider "${GPU_TESTS[@]}"
+  rc=$?
+  rm -rf "$WORK"
+  exit $rc
+fi
 # Under the sanitizers kernels run 10-100x slower: the small cases only.
 SANITIZE_K="not large and not big and not past_grid_cap and not second_device"
 
@@ -94,7 +105,7 @@ else
   step build 300 python3 -m pip install --no-build-isolation --no-deps -e . -q
   step import 60 python3 -c "import json, qcoll; i = qcoll.build_info(); print(json.dumps(i)); assert i['cuda_available'], 'no CUDA in this build'; assert i['nccl'], 'qcoll cannot load NCCL'"
   pytest_step smoke_nccl 60 50 tests/test_nccl.py -k smoke
-  pytest_step tests_gpu 240 120 "${KERNEL_TESTS[@]}" tests/test_nccl.py -k "not smoke"
+  pytest_step tests_gpu 300 120 "${GPU_TESTS[@]}"
   step memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 20 \
     python3 -m pytest -q -x -p no:cacheprovider --timeout=80 "${KERNEL_TESTS[@]}" -k "$SANITIZE_K"
   step racecheck 90 compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 1 \
@@ -103,8 +114,7 @@ else
   step kernels_cuda 150 python3 bench/run.py kernels --device cuda --json "$WORK/kernels-cuda.json" --plot "$OUT_DIR/kernels-cuda.png"
   step collectives_nccl 150 python3 bench/run.py collectives --device cuda --quick --json "$WORK/collectives-nccl.json"
   # Last: the CPU tests (CI runs them too), with whatever time is left.
-  pytest_step tests_rest 240 120 --continue-on-collection-errors tests \
-    --ignore=tests/test_quantize_cuda.py --ignore=tests/test_wire_cuda.py --ignore=tests/test_nccl.py
+  pytest_step tests_rest 240 120 --continue-on-collection-errors tests -m "not gpu"
 fi
 
 # One results file: the steps and every suite's JSON.

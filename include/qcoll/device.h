@@ -14,6 +14,9 @@ struct Device {
   DeviceKind kind = DeviceKind::kCPU;
   int32_t index = 0;     // CUDA device ordinal
   void* stream = nullptr;  // cudaStream_t for CUDA; nullptr = legacy default stream
+  // CUDA: a second stream of the caller (qcoll: the call's group's), the inter-node lane of
+  // the pipelined reduce-scatter; nullptr: qcoll's own per-device lane streams.
+  void* lane_stream = nullptr;
 };
 
 // Built-in capabilities, reported by qcoll.build_info().

@@ -32,9 +32,12 @@ class Lanes {
 // call's stream (streams == true): two qcoll-owned streams (StreamLanes); otherwise serial.
 std::unique_ptr<Lanes> make_lanes(const Device& caller, int stages, bool streams);
 
-// Two ordered GPU lanes on qcoll-owned streams (src/cuda/stream_lanes.cu). Both lanes start
-// after the work already on the caller's stream; the caller's stream waits for both when
-// the lanes are joined.
+// Two ordered GPU lanes (src/cuda/stream_lanes.cu): the caller's stream and its
+// Device::lane_stream when it gives one (qcoll's Python layer: the group's two streams),
+// else two qcoll-owned streams of the device. Both lanes start after the work already on
+// the caller's stream; the caller's stream waits for both when the lanes are joined. Only
+// events and stream waits join them, so a CUDA-graph capture of the caller's stream
+// captures both lanes.
 class StreamLanes {
  public:
   virtual ~StreamLanes() = default;
@@ -46,7 +49,7 @@ class StreamLanes {
   virtual void join() = 0;
 };
 
-// For a CUDA device: lanes on two qcoll-owned streams of that device. Throws without CUDA.
+// For a CUDA device (see StreamLanes). Throws without CUDA.
 std::unique_ptr<StreamLanes> make_stream_lanes(const Device& caller);
 
 }  // namespace qcoll

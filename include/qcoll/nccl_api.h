@@ -56,11 +56,31 @@ enum ncclRedOp_t : int {
 
 // NCCL_VERSION_CODE of the first releases with ncclAvg and ncclBfloat16.
 inline constexpr int kVersionWithAvg = 21000;
+// First release with ncclCommInitRankConfig (nonblocking communicators) and ncclCommFinalize.
+inline constexpr int kVersionWithConfig = 21400;
+
+inline constexpr int kConfigUndefInt = -2147483647 - 1;  // NCCL_CONFIG_UNDEF_INT (INT_MIN)
+
+// ncclConfig_t exactly as NCCL 2.14 laid it out (ncclConfig_v21400), what
+// NCCL_CONFIG_INITIALIZER filled in then. Later NCCLs read `version` and give every field
+// added after 2.14 its default (they overwrite the bytes of `tail_padding`, which is the
+// 2.14 struct's tail padding), so this one layout is valid for every NCCL >= 2.14.
+struct ncclConfigV21400 {
+  size_t size = sizeof(ncclConfigV21400);
+  unsigned int magic = 0xcafebeef;
+  unsigned int version = kVersionWithConfig;
+  int blocking = kConfigUndefInt;
+  int tail_padding = kConfigUndefInt;
+};
+static_assert(sizeof(ncclConfigV21400) == 24, "ncclConfig_v21400 is 24 bytes");
 
 using ncclGetVersion_t = ncclResult_t (*)(int* version);
 using ncclGetUniqueId_t = ncclResult_t (*)(ncclUniqueId* id);
 using ncclCommInitRank_t = ncclResult_t (*)(ncclComm_t* comm, int nranks, ncclUniqueId id,
                                             int rank);
+using ncclCommInitRankConfig_t = ncclResult_t (*)(ncclComm_t* comm, int nranks, ncclUniqueId id,
+                                                  int rank, ncclConfigV21400* config);
+using ncclCommFinalize_t = ncclResult_t (*)(ncclComm_t comm);
 using ncclCommDestroy_t = ncclResult_t (*)(ncclComm_t comm);
 using ncclCommAbort_t = ncclResult_t (*)(ncclComm_t comm);
 using ncclCommGetAsyncError_t = ncclResult_t (*)(ncclComm_t comm, ncclResult_t* async_error);
@@ -79,11 +99,14 @@ using ncclReduceScatter_t = ncclResult_t (*)(const void* send, void* recv, size_
                                              ncclDataType_t type, ncclRedOp_t op,
                                              ncclComm_t comm, cudaStream_t stream);
 
-// The loaded library. Every pointer is non-null except ncclGetLastError (NCCL >= 2.13).
+// The loaded library. Every pointer is non-null except ncclGetLastError (NCCL >= 2.13),
+// ncclCommInitRankConfig and ncclCommFinalize (NCCL >= 2.14; NcclCommunicator needs them).
 struct NcclApi {
   ncclGetVersion_t ncclGetVersion = nullptr;
   ncclGetUniqueId_t ncclGetUniqueId = nullptr;
   ncclCommInitRank_t ncclCommInitRank = nullptr;
+  ncclCommInitRankConfig_t ncclCommInitRankConfig = nullptr;  // optional
+  ncclCommFinalize_t ncclCommFinalize = nullptr;              // optional
   ncclCommDestroy_t ncclCommDestroy = nullptr;
   ncclCommAbort_t ncclCommAbort = nullptr;
   ncclCommGetAsyncError_t ncclCommGetAsyncError = nullptr;

@@ -14,8 +14,6 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Optional
 
-import torch
-
 from . import _C
 
 
@@ -28,32 +26,33 @@ class Work:
     """Handle of an async_op=True call.
 
     CPU: the call runs on the group's worker thread; wait() blocks until it has run and
-    re-raises its error. GPU: the call is ordered on the caller's stream; wait() makes the
-    current stream wait for it (the host is never blocked)."""
+    re-raises its error. GPU: the call runs on the group's communication stream
+    (_streams.py); wait() makes the current stream wait for it (the host never blocks) and
+    raises the CommunicationError the call's NCCL watchdog recorded, if any."""
 
-    def __init__(self, future: Optional[Future] = None, traffic=None,
-                 event: Optional["torch.cuda.Event"] = None, keep_alive=()):
+    def __init__(self, future: Optional[Future] = None, traffic=None, cuda_call=None):
         self._future = future
         self._traffic = traffic
-        self._event = event
-        self._keep_alive = keep_alive  # tensors the device may still be using
+        self._cuda = cuda_call  # _streams.CudaCall
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait for the call (CPU) or order the current stream after it (GPU). timeout:
         seconds to block at most (CPU); the call itself is bounded by its group's timeout."""
         if self._future is not None:
             self._future.result(timeout)
-        if self._event is not None:
-            torch.cuda.current_stream().wait_event(self._event)
+        if self._cuda is not None:
+            self._cuda.wait()
         return True
 
     def is_completed(self) -> bool:
         if self._future is not None:
             return self._future.done()
-        return self._event is None or self._event.query()
+        return self._cuda is None or self._cuda.is_completed()
 
     def exception(self) -> Optional[BaseException]:
         """The call's error once it has completed (None if it succeeded or is running)."""
+        if self._cuda is not None:
+            return self._cuda.failure()
         if self._future is None or not self._future.done():
             return None
         return self._future.exception()

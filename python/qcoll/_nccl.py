@@ -3,10 +3,11 @@
 The root's ncclUniqueId travels through the group's ProcessGroup; NCCL itself is the
 libnccl.so.2 torch already loaded (or QCOLL_NCCL_PATH), resolved at run time by the core.
 
-Lifetime: Group.close() / qcoll.destroy() destroy the communicators in the same order on
-every rank (ncclCommDestroy may wait for the node's other members). Any communicator still
-alive at interpreter exit is aborted, never destroyed: destroy would wait forever for a
-peer that has already gone."""
+Lifetime: communicators are created nonblocking and polled, so creation never waits past
+the group's timeout (src/comm/nccl_comm.h). Group.close() / qcoll.destroy() destroy them in
+the same order on every rank (finalize may wait for the node's other members, at most the
+timeout, then aborts). Any communicator still alive at interpreter exit is aborted, never
+destroyed: a peer may already be gone."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def _local_problem() -> str | None:
 def create_nccl_communicator(group, device: torch.device):
     """Collective over the group's members: every rank reports whether it can use NCCL and
     rank 0 adds the unique id, in one exchange, so a rank without NCCL makes every rank
-    raise instead of leaving the others waiting in ncclCommInitRank. The exchange runs on
+    raise instead of leaving the others waiting in ncclCommInitRankConfig (which, past the
+    group's timeout, raises too). The exchange runs on
     `device` (the call's tensor's), not on whatever device happens to be current."""
     problem = _local_problem()
     uid = _C.nccl_unique_id() if group.rank == 0 and problem is None else None

@@ -2,7 +2,8 @@
 
 Every argument is checked here, on every rank, before any communication; the algorithms
 themselves run in the C++ core (src/collectives/) over the group's communicator: for CPU
-tensors on the group's worker thread (_calls.py), for CUDA tensors in stream order."""
+tensors on the group's worker thread (_calls.py), for CUDA tensors on the group's
+communication stream (_streams.py)."""
 
 from __future__ import annotations
 
@@ -94,55 +95,61 @@ def _describe(what: str, group: Group, sequence: int) -> str:
 
 
 def _run(what: str, group: Group, input: torch.Tensor, output: torch.Tensor, workspace_bytes: int,
-         launch, async_op: bool):
-    """Run `launch(comm, kind, index, stream, workspace, traffic, sequence)` for one call.
+         launch, async_op: bool, extra_comms: tuple = ()):
+    """Run `launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream)` for
+    one call.
 
     The output is written in place: its version counter is bumped now, as torch's in-place
     ops do, so autograd sees the write. CPU: the call runs on the group's worker thread,
     after every call issued before it on the group's family; the tensors stay referenced
-    until it has run. CUDA: the call is enqueued on the caller's stream right here."""
+    until it has run. CUDA: the call runs on the family's communication stream, ordered
+    after the caller's current stream (_streams.py); extra_comms: the call's other
+    communicators, whose recorded failures its Work raises too."""
     if not output.is_inference():
         torch.autograd.graph.increment_version(output)
     device = input.device
     if device.type == "cuda":
         group._calls.drain()  # CPU calls issued earlier on this family go first
     comm = group.communicator(device)
-    kind, index, stream = device_args(input, "input")
+    kind, index, _ = device_args(input, "input")
     sequence = group._next_sequence()
     traffic = new_traffic()
+    describe = _describe(what, group, sequence)
 
-    def call():
-        workspace = _workspace(group, workspace_bytes, device)
+    if device.type == "cuda":
+        def enqueue(stream, lane, workspace):
+            group._buffers.set(input, output, workspace)  # read by a torch transport only
+            try:
+                launch(comm, kind, index, stream.cuda_stream, workspace, traffic, sequence,
+                       lane.cuda_stream)
+            finally:
+                group._buffers.clear()
+
+        call = group._cuda.run(device, enqueue, workspace_bytes, (input, output),
+                               (comm, *extra_comms), describe, async_op)
+        return None if call is None else Work(traffic=traffic, cuda_call=call)
+
+    def run():
+        workspace = _workspace(group, workspace_bytes)
         group._buffers.set(input, output, workspace)
         try:
-            launch(comm, kind, index, stream, workspace, traffic, sequence)
+            launch(comm, kind, index, 0, workspace, traffic, sequence, 0)
         finally:
             group._buffers.clear()
-        return workspace
 
-    describe = _describe(what, group, sequence)
-    if device.type == "cuda":
-        workspace = call()
-        if not async_op:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        return Work(traffic=traffic, event=event, keep_alive=(input, output, workspace))
-    work = Work(group._calls.submit(call, describe), traffic=traffic)
+    work = Work(group._calls.submit(run, describe), traffic=traffic)
     if async_op:
         return work
     work.wait()
     return None
 
 
-def _workspace(group: Group, nbytes: int, device: torch.device) -> torch.Tensor:
-    """Scratch for one call. On CPU the group keeps one grow-only buffer: fresh large
-    allocations come back from the OS as new pages, and faulting them in cost a quarter of
-    a 64 MB reduce-scatter (bench/results/cluster-cpu.json). It is taken when the call runs
-    on the family's worker thread, which runs one call at a time, so two calls in flight
-    never share it. On GPU the caching allocator already reuses memory, in stream order."""
-    if device.type != "cpu":
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+def _workspace(group: Group, nbytes: int) -> torch.Tensor:
+    """Scratch for one CPU call: one grow-only buffer per group. Fresh large allocations
+    come back from the OS as new pages, and faulting them in cost a quarter of a 64 MB
+    reduce-scatter (bench/results/cluster-cpu.json). It is taken when the call runs on the
+    family's worker thread, which runs one call at a time, so two calls in flight never
+    share it. (CUDA calls use their family's cached workspace: _streams.py.)"""
     if group._cpu_workspace is None or group._cpu_workspace.numel() < nbytes:
         group._cpu_workspace = torch.empty(nbytes, dtype=torch.uint8)
     return group._cpu_workspace[:nbytes]
@@ -179,7 +186,7 @@ def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *
     _debug_check(g, ("quantized_allgather", n, output.numel(), str(input.dtype), bits, group_size))
     plan = _allgather_plan(g.size, n, code, wire_bits, group_size, input.device.type == "cpu")
 
-    def launch(comm, kind, index, stream, workspace, traffic, sequence):
+    def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
         _C.all_gather(plan, comm, code, input.data_ptr(), output.data_ptr(), workspace.data_ptr(),
                       kind, index, stream, traffic, sequence)
 
@@ -223,10 +230,11 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     inter_comm = g.inter.communicator(input.device) if plan.two_hop else None
     op_code = OPS[op]
 
-    def launch(comm, kind, index, stream, workspace, traffic, sequence):
+    def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
         # g.intra and g.inter share g's buffer registry, which _run fills for this call.
         _C.reduce_scatter(plan, comm, intra_comm, inter_comm, code, op_code, input.data_ptr(),
                           output.data_ptr(), workspace.data_ptr(), kind, index, stream, traffic,
-                          sequence)
+                          sequence, lane_stream)
 
-    return _run("quantized_reduce_scatter", g, input, output, plan.workspace_bytes, launch, async_op)
+    return _run("quantized_reduce_scatter", g, input, output, plan.workspace_bytes, launch, async_op,
+                extra_comms=(intra_comm, inter_comm) if plan.two_hop else ())

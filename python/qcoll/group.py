@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._calls import CallQueue
+from ._streams import CudaCalls
 from ._torch_transport import Buffers, ProcessGroupTransport, SelfTransport
 
 BACKENDS = ("nccl", "torch")
@@ -52,10 +53,11 @@ class Group:
         self.node = self.rank // node_size
         self.local_rank = self.rank % node_size
         # Sub-groups share their parent's buffer registry (one call's buffers serve every
-        # hop) and worker thread (calls of the family run in issue order, one at a time).
+        # hop), worker thread (CPU calls of the family run in issue order, one at a time)
+        # and CUDA streams (GPU calls likewise, on the family's communication stream).
         if _family is None:
-            _family = (Buffers(), CallQueue(f"qcoll-group-{self.global_ranks}"))
-        self._buffers, self._calls = _family
+            _family = (Buffers(), CallQueue(f"qcoll-group-{self.global_ranks}"), CudaCalls())
+        self._buffers, self._calls, self._cuda = _family
         # The ProcessGroup qcoll communicates over: its own, never the caller's.
         if self.size > 1 and _owned_pg is None:
             _owned_pg = _partition_groups([self.global_ranks], self.global_ranks, timeout)[0]
@@ -108,7 +110,7 @@ class Group:
         columns = [self.global_ranks[j::n] for j in range(n)]
         intra = _partition_groups(nodes, self.global_ranks, self.timeout)[self.node]
         inter = _partition_groups(columns, self.global_ranks, self.timeout)[self.local_rank]
-        family = (self._buffers, self._calls)
+        family = (self._buffers, self._calls, self._cuda)
         if self._intra is None and self.num_nodes > 1:
             self._intra = _subgroup(intra, nodes[self.node], n, self.backend, self.timeout,
                                     family, "intra-node group")
@@ -120,12 +122,15 @@ class Group:
     def close(self) -> None:
         """Finish the calls in flight, stop the worker thread and destroy the NCCL
         communicators and ProcessGroups this Group created (its sub-groups' too: intra, inter,
-        then its own, so every rank destroys them in the same order). Collective: every member
+        then its own, so every rank destroys them in the same order). Destroying an NCCL
+        communicator first lets its queued GPU work finish, within the group's timeout (past
+        it, or after an error, the communicator is aborted instead). Collective: every member
         calls it, in the same order relative to other groups. The Group cannot be used
         afterwards."""
         if self._closed:
             return
         self._calls.close()
+        self._cuda.close()  # the current streams wait for the family's streams
         for g in (self._intra, self._inter, self):
             if g is not None and not g._closed:
                 g._closed = True

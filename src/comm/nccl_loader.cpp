@@ -88,6 +88,8 @@ NcclApi load() {
   resolve(handle, api.path, "ncclGetVersion", api.ncclGetVersion, true);
   resolve(handle, api.path, "ncclGetUniqueId", api.ncclGetUniqueId, true);
   resolve(handle, api.path, "ncclCommInitRank", api.ncclCommInitRank, true);
+  resolve(handle, api.path, "ncclCommInitRankConfig", api.ncclCommInitRankConfig, false);
+  resolve(handle, api.path, "ncclCommFinalize", api.ncclCommFinalize, false);
   resolve(handle, api.path, "ncclCommDestroy", api.ncclCommDestroy, true);
   resolve(handle, api.path, "ncclCommAbort", api.ncclCommAbort, true);
   resolve(handle, api.path, "ncclCommGetAsyncError", api.ncclCommGetAsyncError, true);

@@ -15,7 +15,8 @@ struct LaneStreams {
   cudaStream_t inter = nullptr;
 };
 
-// Two streams per device, created once and kept for the process lifetime.
+// Two streams per device, created once and kept for the process lifetime (callers that
+// give no lane stream of their own).
 LaneStreams streams_for(int device) {
   static std::mutex mutex;
   static std::unordered_map<int, LaneStreams> streams;
@@ -30,12 +31,24 @@ LaneStreams streams_for(int device) {
   return s;
 }
 
+// The caller's lane stream when it gives one: intra-node hops then stay on the caller's own
+// stream (it waits for nothing), inter-node hops go to the lane stream.
+LaneStreams lanes_for(const Device& caller) {
+  if (caller.lane_stream == nullptr) return streams_for(caller.index);
+  LaneStreams s;
+  s.intra = static_cast<cudaStream_t>(caller.stream);
+  s.inter = static_cast<cudaStream_t>(caller.lane_stream);
+  return s;
+}
+
 class CudaStreamLanes final : public StreamLanes {
  public:
   explicit CudaStreamLanes(const Device& caller)
-      : caller_(caller), guard_(caller.index), streams_(streams_for(caller.index)) {
+      : caller_(caller), guard_(caller.index), streams_(lanes_for(caller)) {
     QCOLL_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
-    // Both lanes start after the caller's pending work (the input is produced there).
+    // Both lanes start after the caller's pending work (the input is produced there). Only
+    // events and stream waits: legal while the caller's stream is captured into a CUDA
+    // graph (the lanes are forked from and joined back into it).
     QCOLL_CUDA_CHECK(cudaEventRecord(event_, caller_stream()));
     QCOLL_CUDA_CHECK(cudaStreamWaitEvent(streams_.intra, event_, 0));
     QCOLL_CUDA_CHECK(cudaStreamWaitEvent(streams_.inter, event_, 0));

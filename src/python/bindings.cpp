@@ -153,17 +153,19 @@ void bind_collectives(py::module_& m) {
       [](const qcoll::ReduceScatterPlan& plan, Communicator& world, Communicator* intra,
          Communicator* inter, int dtype, int op, uintptr_t input, uintptr_t output,
          uintptr_t workspace, int device_kind, int device_index, uintptr_t stream,
-         qcoll::Traffic& traffic, uint32_t sequence) {
+         qcoll::Traffic& traffic, uint32_t sequence, uintptr_t lane_stream) {
         Counted counted{traffic, qcoll::reduce_scatter_traffic()};
+        qcoll::Device dev = device(device_kind, device_index, stream);
+        dev.lane_stream = ptr(lane_stream);  // the group's second stream (pipelined 2-hop)
         qcoll::reduce_scatter(plan, collective_buffers(input, output, workspace),
                               static_cast<qcoll::DType>(dtype), static_cast<qcoll::ReduceOp>(op),
-                              world, intra, inter, device(device_kind, device_index, stream),
-                              traffic, sequence);
+                              world, intra, inter, dev, traffic, sequence);
       },
       py::call_guard<py::gil_scoped_release>(), py::arg("plan"), py::arg("world"),
       py::arg("intra").none(true), py::arg("inter").none(true), py::arg("dtype"), py::arg("op"),
       py::arg("input"), py::arg("output"), py::arg("workspace"), py::arg("device_kind"),
-      py::arg("device_index"), py::arg("stream"), py::arg("traffic"), py::arg("sequence"));
+      py::arg("device_index"), py::arg("stream"), py::arg("traffic"), py::arg("sequence"),
+      py::arg("lane_stream") = 0);
   m.def("stats", []() {
     py::dict d;
     d["allgather"] = traffic_dict(qcoll::allgather_traffic());

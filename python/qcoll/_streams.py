@@ -1,0 +1,186 @@
+"""qcoll calls on CUDA tensors: a group's own streams, the events that order a call against
+the caller's stream, and what keeps a call's memory alive (DESIGN.md decision 10, as
+torch's ProcessGroupNCCL does).
+
+Per Group family (a Group and its intra/inter sub-groups, which share NCCL communicators)
+and per CUDA device: a communication stream, on which every call of the family runs in
+issue order, and a lane stream for the inter-node hops of the pipelined reduce-scatter
+(src/cuda/stream_lanes.cu forks it off the communication stream and joins it back). A call
+
+1. makes the communication stream wait for the caller's current stream (an event): the
+   input, and everything the caller enqueued before, is ready;
+2. is enqueued on the communication stream, with that stream current, so the caching
+   allocator and a torch ProcessGroup transport order their own work on it too;
+3. records its completion event there. async_op=False: the caller's stream waits for it
+   before the call returns. async_op=True: the Work's wait() makes the then-current stream
+   wait for it. The host never blocks.
+
+Memory. The input and output of an async_op=True call stay referenced until its Work is
+waited (the caller's stream is then ordered after the call, so the caching allocator may
+hand the memory to the caller's next allocation) or, when it is never waited, until its
+completion event is seen done at a later call: ProcessGroupNCCL's
+TORCH_NCCL_AVOID_RECORD_STREAMS=1 policy, chosen over record_stream because memory comes back
+when the caller waits rather than when the allocator next polls events. As there, wait() on
+the stream the tensors were allocated on (the one current at the call). A synchronous call
+needs nothing: the caller's stream waits before it returns. The workspace is one cached
+buffer per family and device, allocated on the communication stream, which alone uses it,
+one call after the other.
+
+CUDA graphs. Under torch.cuda.graph the same steps are captured: the events fork the
+family's streams off the capture stream and join them back. Once a call at least as large
+has run eagerly (torch's recommended warm-up), a captured call allocates nothing, queries
+no event and never synchronizes. A workspace a capture used is kept until the Group is
+closed (every replay writes it); no tensor is stashed (a graph's tensors are its owner's).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ._calls import CommunicationError
+
+
+class TorchCuda:
+    """The few torch.cuda operations the bookkeeping uses (tests pass a stand-in)."""
+
+    def current_stream(self, device: torch.device):
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device):
+        return torch.cuda.Stream(device=device)
+
+    def new_event(self):
+        return torch.cuda.Event()
+
+    def use_stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    def capturing(self, device: torch.device) -> bool:
+        with torch.cuda.device(device):
+            return torch.cuda.is_current_stream_capturing()
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+class CudaCall:
+    """One async_op=True call on CUDA tensors (the GPU half of a Work)."""
+
+    def __init__(self, runtime, device, done, tensors, comms: Sequence, describe: str,
+                 captured: bool):
+        self._rt = runtime
+        self._device = device
+        self._done = done
+        self.tensors = tensors  # None once the memory may be reused (see the module notes)
+        self._comms = comms
+        self._describe = describe
+        self._captured = captured
+
+    def failure(self) -> Optional[CommunicationError]:
+        """The error a communicator of this call recorded (its watchdog aborted it: a peer
+        died, timed out or NCCL failed), or None."""
+        for comm in self._comms:
+            why = getattr(comm, "error", "")  # only NCCL communicators have a watchdog
+            if why:
+                return CommunicationError(f"{self._describe} failed: {why}")
+        return None
+
+    def wait(self) -> None:
+        error = self.failure()
+        if error is not None:
+            raise error
+        self._rt.current_stream(self._device).wait_event(self._done)
+        self.tensors = None  # the waiting stream now runs after the call
+
+    def done(self) -> bool:
+        """Completed on the GPU (event query; never for a call captured into a graph)."""
+        return not self._captured and self._done.query()
+
+    def is_completed(self) -> bool:
+        if self.failure() is not None:
+            return True
+        if self._captured:
+            raise RuntimeError(f"{self._describe} was captured into a CUDA graph: it runs when "
+                               "the graph replays; wait() it inside the capture instead")
+        return self._done.query()
+
+
+class CudaCalls:
+    """A Group family's streams, workspaces and async calls in flight, per CUDA device."""
+
+    def __init__(self, runtime=None):
+        self._rt = runtime if runtime is not None else TorchCuda()
+        self._streams: dict = {}  # device -> (communication stream, lane stream)
+        self._workspaces: dict = {}  # device -> cached workspace (uint8)
+        self._retained: list = []  # workspaces captured into CUDA graphs
+        self._in_flight: "collections.deque[CudaCall]" = collections.deque()
+
+    def streams(self, device: torch.device) -> tuple:
+        if device not in self._streams:
+            self._streams[device] = (self._rt.new_stream(device), self._rt.new_stream(device))
+        return self._streams[device]
+
+    def run(self, device: torch.device, launch: Callable, workspace_bytes: int,
+            tensors: tuple, comms: Sequence, describe: str, async_op: bool) -> Optional[CudaCall]:
+        """Enqueue one call: launch(stream, lane_stream, workspace) on the family's streams,
+        ordered after the caller's current stream. Returns the CudaCall of an async_op=True
+        call, None otherwise (the caller's stream then already waits for it)."""
+        caller = self._rt.current_stream(device)
+        capturing = self._rt.capturing(device)
+        if not capturing:  # a query during capture would invalidate it
+            self._release_completed()
+        stream, lane = self.streams(device)
+        ready = self._rt.new_event()
+        ready.record(caller)
+        stream.wait_event(ready)
+        done = self._rt.new_event()
+        try:
+            with self._rt.use_stream(stream):
+                launch(stream, lane, self._workspace(device, workspace_bytes, capturing))
+        except BaseException:
+            # Part of the call may be enqueued (it reads the input): the caller's stream waits
+            # for it, so the caller may free or reuse the tensors.
+            done.record(stream)
+            caller.wait_event(done)
+            raise
+        done.record(stream)
+        if not async_op:
+            caller.wait_event(done)
+            return None
+        call = CudaCall(self._rt, device, done, None if capturing else tensors, comms, describe,
+                        capturing)
+        if not capturing:
+            self._in_flight.append(call)
+        return call
+
+    def _workspace(self, device: torch.device, nbytes: int, capturing: bool) -> torch.Tensor:
+        """The family's workspace on `device` (grown as needed; allocated while the
+        communication stream is current, so only that stream reuses its memory)."""
+        ws = self._workspaces.get(device)
+        if ws is None or ws.numel() < nbytes:
+            ws = self._rt.empty(nbytes, device)
+            self._workspaces[device] = ws
+        if capturing and not any(ws is kept for kept in self._retained):
+            self._retained.append(ws)  # replays write it: never freed while the group lives
+        return ws[:nbytes]
+
+    def _release_completed(self) -> None:
+        """Forget the tensors of calls waited for or seen completed, in issue order."""
+        while self._in_flight and (self._in_flight[0].tensors is None or self._in_flight[0].done()):
+            self._in_flight.popleft().tensors = None
+
+    def close(self) -> None:
+        """Drop everything; the caller's current stream of each device first waits for the
+        family's streams, so memory the calls used is reused only after them."""
+        for device, (stream, lane) in self._streams.items():
+            for s in (stream, lane):
+                event = self._rt.new_event()
+                event.record(s)
+                self._rt.current_stream(device).wait_event(event)
+        self._in_flight.clear()
+        self._workspaces.clear()
+        self._retained.clear()
+        self._streams.clear()
