@@ -143,8 +143,9 @@ QCOLL_HD float qmax_symmetric(CodeFormat f) {
 QCOLL_HD float levels_asymmetric(CodeFormat f) { return f == CodeFormat::kInt4 ? 15.0f : 255.0f; }
 
 // OCP FP8 E4M3FN byte of v, round half to even, saturating to +-448 (Inf included: the
-// "satfinite" conversion), NaN to S.1111.111. Integer arithmetic on the float's bits plus
-// one exact power-of-two multiply, so CPU and GPU agree bit for bit; branch-free selects.
+// "satfinite" conversion), NaN to S.1111.111. Integer arithmetic on the float's bits only,
+// so CPU and GPU agree bit for bit, and branch-free selects the CPU loops vectorize (a
+// float operation under a select would stop that: it may trap).
 QCOLL_HD uint8_t fp8_e4m3_encode(float v) {
   const uint32_t u = float_bits(v);
   const uint32_t sign = (u >> 24) & 0x80u;
@@ -152,10 +153,15 @@ QCOLL_HD uint8_t fp8_e4m3_encode(float v) {
   // Normal (|v| >= 2^-6): keep 3 mantissa bits, rounding the 20 dropped ones to even; a
   // carry moves into the exponent. fp32 exponent E becomes E - 127 + 7.
   const uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
-  // Subnormal (|v| < 2^-6): multiples of 2^-9; 8 * 2^-9 rounds up into the smallest normal,
-  // whose byte is 0x08 as well. Only small values reach the float-to-int conversion.
-  const float small = bits_float(a < 0x3c800000u ? a : 0u);
-  const uint32_t subnormal = static_cast<uint32_t>(round_half_even(mul(small, 512.0f)));
+  // Subnormal (|v| < 2^-6): round(v * 2^9), v = mant * 2^(E - 150), by the same
+  // shift-and-round on the full significand (a shift past 24 bits rounds to 0); 8 * 2^-9
+  // rounds up into the smallest normal, whose byte is 0x08 as well.
+  const uint32_t e = a >> 23;
+  const uint32_t mant = (a & 0x7fffffu) | (e != 0 ? 0x800000u : 0u);
+  const uint32_t shift_raw = 141u - (e != 0 ? e : 1u);
+  const uint32_t shift = shift_raw < 31u ? shift_raw : 31u;
+  const uint32_t subnormal =
+      (mant + ((1u << (shift - 1u)) - 1u) + ((mant >> shift) & 1u)) >> shift;
   uint32_t m = a < 0x3c800000u ? subnormal : normal;
   m = a >= 0x43e00000u ? 0x7eu : m;  // |v| >= 448 (Inf too): 448
   m = a > 0x7f800000u ? 0x7fu : m;   // NaN

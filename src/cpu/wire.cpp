@@ -65,8 +65,7 @@ QCOLL_INLINE void code_symmetric(const float* x, int64_t m, const math::GroupPar
 // acc[i] += the value of code i (symmetric), in fp32 with an unfused multiply and add.
 template <CodeFormat kF>
 QCOLL_INLINE void decode_add(const uint8_t* in, int64_t m, float scale, float* acc) {
-  const math::GroupParams p{scale, 0.0f};
-  auto value = [p](uint8_t b) { return math::decode_value(b, p, kF, true); };
+  const auto value = code_values<kF>(math::GroupParams{scale, 0.0f}, /*sym=*/true);
   if constexpr (code_bits(kF) == 8) {
     for (int64_t i = 0; i < m; ++i) acc[i] = math::add(acc[i], value(in[i]));
     return;
