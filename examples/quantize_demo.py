@@ -59,7 +59,8 @@ def main():
                 print(f"{str(dtype)[6:]:9}{bits:>9}{mode:>11}{worst:17.4f}{rel:13.2e}"
                       f"{moved / tq / 1e9:12.1f}{moved / tdq / 1e9:14.1f}")
     print("\nmax |err|/scale <= 0.5 is the guarantee of int8/int4 (fp32 output); fp8_e4m3's is"
-          "\n|err| <= |x| / 16 + scale / 1024, so its max |err|/scale reaches 448 / 16 = 28.")
+          "\n|err| <= |x| / 16 + scale / 1024: at most 16 scales, half the step between its"
+          "\nlargest codes (256 to 448 in steps of 32).")
 
 
 if __name__ == "__main__":
