@@ -14,7 +14,6 @@ from . import _C
 # name -> {"code", "bits" (per code), "float", "qmax", "asymmetric" (offered)}
 FORMATS = {name: dict(info) for name, info in _C.FORMATS.items()}
 RAW_CODE = _C.RAW_FORMAT  # a wire hop that carries the values unquantized (None)
-_NAMES_BY_CODE = {info["code"]: name for name, info in FORMATS.items()}
 # The integer spellings of the integer formats (bits=8 stays int8).
 _INT_SPELLINGS = {info["bits"]: name for name, info in FORMATS.items() if not info["float"]}
 
@@ -43,12 +42,3 @@ def format_code(value, name: str = "bits", allow_none: bool = True) -> int:
     """The core's code of a bit-width argument (RAW_CODE for None)."""
     fmt = format_name(value, name, allow_none)
     return RAW_CODE if fmt is None else FORMATS[fmt]["code"]
-
-
-def name_of_code(code: int) -> Optional[str]:
-    """The format name of a core code (None for RAW_CODE)."""
-    return None if code == RAW_CODE else _NAMES_BY_CODE[code]
-
-
-def code_bits(fmt: str) -> int:
-    return FORMATS[fmt]["bits"]
