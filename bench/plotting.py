@@ -148,12 +148,15 @@ def _breakdown_panel(ax, rows: list, label) -> None:
 def group_size_chart(result: dict, path: str) -> None:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for bits in (8, 4):
+    def fmt_of(r):  # results before the fp8 format carry only "bits"
+        return r.get("format", f"int{r['bits']}")
+
+    for fmt in dict.fromkeys(fmt_of(r) for r in result["rows"]):
         for inp, style in (("gaussian", "-"), ("outliers", "--")):
             pts = sorted((r["group_size"], r["rel_rms_error"]) for r in result["rows"]
-                         if r["bits"] == bits and r["input"] == inp)
+                         if fmt_of(r) == fmt and r["input"] == inp)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3,
-                    label=f"int{bits}, {inp}")
+                    label=f"{fmt}, {inp}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("group size")

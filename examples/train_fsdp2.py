@@ -97,8 +97,14 @@ def parse_args(argv=None):
                         "LOCAL_WORLD_SIZE under torchrun")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--runs", choices=("both", "default", "qcoll"), default="both")
-    p.add_argument("--weight-bits", type=int, choices=(4, 8), default=8)
-    p.add_argument("--grad-bits", type=int, nargs=2, choices=(4, 8), default=(8, 4), metavar=("INTRA", "INTER"))
+    formats = ("8", "4", "int8", "int4", "fp8_e4m3")  # the spellings of a code format
+
+    def code_format(s):
+        return int(s) if s.isdigit() else s
+
+    p.add_argument("--weight-bits", type=code_format, choices=[code_format(f) for f in formats], default=8)
+    p.add_argument("--grad-bits", type=code_format, nargs=2, choices=[code_format(f) for f in formats],
+                   default=(8, 4), metavar=("INTRA", "INTER"))
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="param (compute) dtype; fp32 reduce")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")

@@ -11,7 +11,11 @@
 namespace qcoll {
 
 void validate(const QuantSpec& spec) {
-  QCOLL_ARG_CHECK(spec.bits == 4 || spec.bits == 8, "bits must be 4 or 8, got ", spec.bits);
+  QCOLL_ARG_CHECK(format_valid(static_cast<int32_t>(spec.format)),
+                  "format must be int8 (0), int4 (1) or fp8_e4m3 (2), got code ",
+                  static_cast<int>(spec.format));
+  QCOLL_ARG_CHECK(spec.symmetric || !format_is_float(spec.format), format_name(spec.format),
+                  " codes are symmetric only (symmetric=True)");
   QCOLL_ARG_CHECK(spec.group_size >= kGroupSizeMultiple && spec.group_size <= kMaxGroupSize &&
                       spec.group_size % kGroupSizeMultiple == 0,
                   "group_size must be a positive multiple of ", kGroupSizeMultiple, " up to ",
@@ -40,8 +44,9 @@ void quantize(const QuantizeArgs& a) {
 
 void dequantize(const DequantizeArgs& a) {
   QuantSpec spec;
-  spec.bits = a.bits;
+  spec.format = a.format;
   spec.group_size = a.group_size;
+  spec.symmetric = a.symmetric;
   validate(spec);
   QCOLL_ARG_CHECK(a.n >= 0, "numel must be >= 0, got ", a.n);
   QCOLL_ARG_CHECK(dtype_valid(static_cast<int32_t>(a.dtype)), "output dtype must be float32, "

@@ -16,11 +16,12 @@
 namespace qcoll {
 
 void validate(const WireFormat& fmt) {
-  QCOLL_ARG_CHECK(fmt.bits == 0 || fmt.bits == 4 || fmt.bits == 8,
-                  "wire bits must be 0 (raw), 4 or 8, got ", fmt.bits);
+  QCOLL_ARG_CHECK(wire_format_valid(static_cast<int32_t>(fmt.format)),
+                  "wire format must be int8 (0), int4 (1), fp8_e4m3 (2) or raw (3), got code ",
+                  static_cast<int>(fmt.format));
   if (fmt.quantized()) {
     QuantSpec spec;
-    spec.bits = fmt.bits;
+    spec.format = fmt.format;
     spec.group_size = fmt.group_size;
     validate(spec);
   }

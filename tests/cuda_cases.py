@@ -18,7 +18,7 @@ import qcoll
 import reference as ref
 from conftest import generator, make_values
 from test_wire import (CODE, DTYPES, GARBAGE, OUTS, REDUCE_CASES, SIZES, TOPOLOGIES,
-                       chunk_bytes, run_encode, run_reduce, make_sources, out_spec)
+                       chunk_bytes, run_encode, run_reduce, make_sources, out_spec, wire_code)
 
 # ---- the cases ------------------------------------------------------------------------------------
 MODES = [("nearest", None), ("stochastic", 0), ("stochastic", 2**64 - 1)]
@@ -33,40 +33,50 @@ def _dt(d):
     return str(d).replace("torch.", "")
 
 
-# dtype x bits x symmetric x group size (8 .. the split path) x numel (tails of packets and
+# The code formats with their symmetries (fp8_e4m3 is symmetric only).
+FORMATS = [(4, True), (4, False), (8, True), (8, False), (ref.FP8, True)]
+FP8 = ref.FP8
+
+
+def _sym(s):
+    return "sym" if s else "asym"
+
+
+# dtype x format x symmetric x group size (8 .. the split path) x numel (tails of packets and
 # groups) x rounding.
 QUANTIZE = _params(
-    [(d, b, s, gs, n, r, seed) for d in DTYPES for b in (4, 8) for s in (True, False)
+    [(d, b, s, gs, n, r, seed) for d in DTYPES for b, s in FORMATS
      for gs in (8, 24, 256, 65536) for n in (1, 7, 9, 255, 4103, 65537)
      for r, seed in MODES],
-    [(_dt(d), b, "sym" if s else "asym", gs, n, m) for d in DTYPES for b in (4, 8)
-     for s in (True, False) for gs in (8, 24, 256, 65536) for n in (1, 7, 9, 255, 4103, 65537)
+    [(_dt(d), b, _sym(s), gs, n, m) for d in DTYPES for b, s in FORMATS
+     for gs in (8, 24, 256, 65536) for n in (1, 7, 9, 255, 4103, 65537)
      for m in MODE_IDS])
 
-# Subnormals to the dtype's max (overflowing asymmetric ranges), exact ties, zero groups and
-# NaN/Inf groups, dequantized into every output dtype.
+# Subnormals to the dtype's max (overflowing asymmetric ranges; fp8: saturation and the
+# E4M3 subnormals), exact ties, zero groups and NaN/Inf groups, dequantized into every
+# output dtype.
 QUANTIZE_HARD = _params(
-    [(d, b, s, r, seed, k) for d in DTYPES for b in (4, 8) for s in (True, False)
+    [(d, b, s, r, seed, k) for d in DTYPES for b, s in FORMATS
      for r, seed in MODES[:2] for k in ("wide", "grid")],
-    [(_dt(d), b, "sym" if s else "asym", m, k) for d in DTYPES for b in (4, 8)
-     for s in (True, False) for m in MODE_IDS[:2] for k in ("wide", "grid")])
+    [(_dt(d), b, _sym(s), m, k) for d in DTYPES for b, s in FORMATS
+     for m in MODE_IDS[:2] for k in ("wide", "grid")])
 
 # Many blocks: grid-stride loops, groups of one lane, and the split path (huge groups).
+LARGE_FORMATS = [(8, True, torch.float32), (4, False, torch.bfloat16), (4, True, torch.float16),
+                 (FP8, True, torch.bfloat16)]
 QUANTIZE_LARGE = _params(
-    [(b, s, d, gs, r, seed) for b, s, d in [(8, True, torch.float32), (4, False, torch.bfloat16),
-                                            (4, True, torch.float16)]
+    [(b, s, d, gs, r, seed) for b, s, d in LARGE_FORMATS
      for gs in (8, 65536, 1 << 20) for r, seed in MODES[:2]],
-    [(b, "sym" if s else "asym", _dt(d), gs, m) for b, s, d in
-     [(8, True, torch.float32), (4, False, torch.bfloat16), (4, True, torch.float16)]
+    [(b, _sym(s), _dt(d), gs, m) for b, s, d in LARGE_FORMATS
      for gs in (8, 65536, 1 << 20) for m in MODE_IDS[:2]])
 LARGE_N = 3_000_017
 
 # x[offset:] starts off any vector alignment: element loads instead of 16-byte vectors.
 QUANTIZE_UNALIGNED = _params(
-    [(d, b, s, r, seed, off) for d in DTYPES for b in (4, 8) for s in (True, False)
+    [(d, b, s, r, seed, off) for d in DTYPES for b, s in FORMATS
      for r, seed in MODES[:2] for off in (1, 2, 3, 5, 7)],
-    [(_dt(d), b, "sym" if s else "asym", m, off) for d in DTYPES for b in (4, 8)
-     for s in (True, False) for m in MODE_IDS[:2] for off in (1, 2, 3, 5, 7)])
+    [(_dt(d), b, _sym(s), m, off) for d in DTYPES for b, s in FORMATS
+     for m in MODE_IDS[:2] for off in (1, 2, 3, 5, 7)])
 
 # Past the grid cap (65536 blocks of 256 threads): the launch is capped and blocks loop
 # (grid stride); the work past 65536 x 256 packets (dequantize) or one-lane teams (quantize
@@ -74,24 +84,26 @@ QUANTIZE_UNALIGNED = _params(
 PAST_GRID_CAP = [
     pytest.param("dequantize", torch.bfloat16, 4, 256, (1 << 27) + 8 * 400 + 3, id="dequant"),
     pytest.param("quantize", torch.bfloat16, 4, 8, (1 << 27) + 8 * 500 + 5, id="quant-team1"),
+    pytest.param("dequantize", torch.float16, FP8, 64, (1 << 27) + 8 * 300 + 1, id="dequant-fp8"),
 ]
 
+WIRE_BITS = (4, 8, FP8, 0)  # a hop's format: codes, or raw (0)
 ENCODE = _params(
-    [(d, b, n, gs) for d in DTYPES for b in (4, 8, 0) for n, gs in SIZES if b or gs == 8],
-    [(_dt(d), b, n, gs) for d in DTYPES for b in (4, 8, 0) for n, gs in SIZES if b or gs == 8])
+    [(d, b, n, gs) for d in DTYPES for b in WIRE_BITS for n, gs in SIZES if b or gs == 8],
+    [(_dt(d), b, n, gs) for d in DTYPES for b in WIRE_BITS for n, gs in SIZES if b or gs == 8])
 
 # (n, group size, count, node_size, nodes): groups past a team (split path), many chunks.
 ENCODE_BIG = [(20011, 16, 6, 3, 2), (40000, 16384, 4, 2, 2), (3 * 8192 + 8, 8200, 2, 0, 1),
               (24, 8, 4096, 64, 64)]
 
 REDUCE = _params(
-    [(ib, o, n, gs) for ib in (4, 8, 0) for o in OUTS for n, gs in SIZES],
-    [(ib, o, n, gs) for ib in (4, 8, 0) for o in OUTS for n, gs in SIZES])
+    [(ib, o, n, gs) for ib in WIRE_BITS for o in OUTS for n, gs in SIZES],
+    [(ib, o, n, gs) for ib in WIRE_BITS for o in OUTS for n, gs in SIZES])
 
 # The fused dequantize-reduce-quantize over 1..8 sources (in order, fp32), every output.
 REDUCE_SOURCES = _params(
-    [(ib, o, k) for ib in (4, 8) for o in OUTS for k in range(1, 9)],
-    [(ib, o, k) for ib in (4, 8) for o in OUTS for k in range(1, 9)])
+    [(ib, o, k) for ib in WIRE_BITS[:3] for o in OUTS for k in range(1, 9)],
+    [(ib, o, k) for ib in WIRE_BITS[:3] for o in OUTS for k in range(1, 9)])
 
 # (n, group size, sources, outputs): the split path, and many outputs.
 REDUCE_BIG = [(40000, 16384, 3, 2), (3 * 8192 + 8, 8200, 2, 1), (24, 8, 4, 4096)]
@@ -179,7 +191,8 @@ class GpuBackend(Backend):
         return q.data, q.scales, q.offsets
 
     def dequantize(self, codes, scales, offsets, n, bits, group_size, dtype):
-        q = qcoll.QuantizedTensor(codes, scales, offsets, (n,), dtype, bits, group_size)
+        q = qcoll.QuantizedTensor(codes, scales, offsets, (n,), dtype, ref.format_name(bits),
+                                  group_size)
         y = qcoll.dequantize(q, dtype=dtype)
         assert y.device == codes.device
         return y
@@ -204,7 +217,7 @@ def check_quantize(be: Backend, x: torch.Tensor, *, shift=0, out_dtypes=(None,),
         # Decode the CPU's codes, so dequantize is checked on its own.
         y = be.dequantize(be.place(q.data), be.place(q.scales),
                           None if q.offsets is None else be.place(q.offsets), x.numel(),
-                          q.bits, q.group_size, dtype or x.dtype)
+                          q.format, q.group_size, dtype or x.dtype)
         be.same_values(y, qcoll.dequantize(q, dtype=dtype).reshape(-1), f"dequantize {dtype}")
 
 
@@ -314,13 +327,14 @@ def check_past_grid_cap(be: Backend, kernel, dtype, bits, group_size, n):
     wrote, which must reach both ends of the output."""
     gen = generator("past-cap", kernel, n)
     if kernel == "dequantize":
-        codes = torch.randint(0, 256, (-(-n * bits // 8),), generator=gen, dtype=torch.uint8)
+        codes = torch.randint(0, 256, (-(-n * ref.width(bits) // 8),), generator=gen,
+                              dtype=torch.uint8)  # fp8: NaN bytes among them
         groups = -(-n // group_size)
         scales = torch.rand(groups, generator=gen) * 2.0**-4
         y = be.dequantize(be.place(codes), be.place(scales), None, n, bits, group_size, dtype)
         want = torch.empty(n, dtype=dtype)
-        qcoll._C.dequantize(codes.data_ptr(), scales.data_ptr(), 0, n, bits, group_size, True,
-                            want.data_ptr(), CODE[dtype], 0, 0, 0)
+        qcoll._C.dequantize(codes.data_ptr(), scales.data_ptr(), 0, n, wire_code(bits), group_size,
+                            True, want.data_ptr(), CODE[dtype], 0, 0, 0)
         be.same_values(y, want, "dequantize")
         covers_both_ends(be, y, "dequantize")
         return

@@ -11,7 +11,8 @@ import os
 import torch
 
 import cuda_cases as cases
-from test_wire import CODE, GARBAGE
+import reference as ref
+from test_wire import CODE, GARBAGE, wire_code
 
 
 def load_emu():
@@ -70,10 +71,10 @@ class EmuBackend(cases.Backend):
                  seed=None):
         gs, n = group_size or 256, x.numel()
         groups = -(-n // gs)
-        codes = self.output(-(-n * bits // 8))
+        codes = self.output(-(-n * ref.width(bits) // 8))
         scales = self.output(4 * groups, torch.float32)
         offsets = None if symmetric else self.output(4 * groups, torch.float32)
-        EMU.quantize(x.data_ptr(), CODE[x.dtype], n, bits, gs, symmetric, ROUNDING[rounding],
+        EMU.quantize(x.data_ptr(), CODE[x.dtype], n, wire_code(bits), gs, symmetric, ROUNDING[rounding],
                      seed or 0, 0, codes.data_ptr(), scales.data_ptr(),
                      0 if offsets is None else offsets.data_ptr(), *self.device_args())
         self.writes = EMU.last_call()["writes"]
@@ -82,7 +83,7 @@ class EmuBackend(cases.Backend):
     def dequantize(self, codes, scales, offsets, n, bits, group_size, dtype):
         out = self.output(n * torch.finfo(dtype).bits // 8, dtype)
         EMU.dequantize(codes.data_ptr(), scales.data_ptr(),
-                       0 if offsets is None else offsets.data_ptr(), n, bits, group_size,
+                       0 if offsets is None else offsets.data_ptr(), n, wire_code(bits), group_size,
                        offsets is None, out.data_ptr(), CODE[dtype], *self.device_args())
         self.writes = EMU.last_call()["writes"]
         return out

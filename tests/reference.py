@@ -16,6 +16,9 @@ group may be shorter):
   overflows, gets scale NaN (and offset NaN) and codes 0.
   stochastic: code = floor(v + u) with u from a SplitMix64 counter keyed by (seed, index).
   int4: element 2k in the low nibble, 2k+1 in the high one; an odd tail leaves it 0.
+  fp8_e4m3 (symmetric only): scale = absmax / 448; code = the OCP E4M3FN byte of x / scale
+              (torch.float8_e4m3fn's conversion: nearest even), saturated to +-448 first;
+              stochastic: floor(v / ulp + u) * ulp with ulp the E4M3 spacing at |v|.
   dequantize: code * scale (+ offset, as a separate fp32 add), then cast to the dtype.
 """
 
@@ -60,24 +63,51 @@ def uniforms(seed: int, n: int, index_base: int = 0) -> torch.Tensor:
 
 
 # ---- quantize -----------------------------------------------------------------------------
+# The public spellings of the code formats (README "Code formats").
+_FORMAT_NAMES = {8: "int8", 4: "int4", "int8": "int8", "int4": "int4", "fp8_e4m3": "fp8_e4m3"}
+FP8 = "fp8_e4m3"
+FP8_MAX = 448.0
+
+
+def format_name(bits) -> str:
+    return _FORMAT_NAMES[bits]
+
+
+def width(bits) -> int:
+    """Bits per code."""
+    return 4 if format_name(bits) == "int4" else 8
+
+
 @dataclasses.dataclass
 class RefQuantized:
-    codes: torch.Tensor  # int32, one integer code per element (unpacked)
+    codes: torch.Tensor  # int32, one integer code (fp8: the byte) per element (unpacked)
     data: torch.Tensor  # uint8, packed as qcoll stores it
     scales: torch.Tensor  # float32 per group
     offsets: Optional[torch.Tensor]  # float32 per group, or None (symmetric)
     shape: torch.Size
     dtype: torch.dtype
-    bits: int
+    format: str
     group_size: int
 
+    @property
+    def bits(self) -> int:
+        return width(self.format)
 
-def qmax(bits: int) -> int:
-    return 2 ** (bits - 1) - 1
+
+def qmax(bits) -> int:
+    return int(FP8_MAX) if format_name(bits) == FP8 else 2 ** (width(bits) - 1) - 1
 
 
-def levels(bits: int) -> int:
-    return 2**bits - 1
+def levels(bits) -> int:
+    return 2 ** width(bits) - 1
+
+
+def fp8_stochastic(v: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """v rounded onto the E4M3 grid, down or up with probability given by the remainder."""
+    _, e = torch.frexp(v.abs())  # |v| = m * 2**e, m in [0.5, 1)
+    ulp = torch.exp2((torch.clamp(e - 1, min=-6) - 3).to(F32))
+    q = torch.floor(v / ulp + u) * ulp
+    return torch.where(v.abs() >= FP8_MAX, torch.sign(v) * FP8_MAX, q)
 
 
 def _full(like: torch.Tensor, value: float) -> torch.Tensor:
@@ -125,7 +155,10 @@ def quantize(
     rounding: str = "nearest",
     seed: Optional[int] = None,
 ) -> RefQuantized:
-    assert x.dtype in FLOAT_DTYPES and bits in (4, 8) and rounding in ("nearest", "stochastic")
+    fmt = format_name(bits)
+    fp8 = fmt == FP8
+    assert x.dtype in FLOAT_DTYPES and rounding in ("nearest", "stochastic")
+    assert symmetric or not fp8
     flat = x.detach().to("cpu").reshape(-1).to(F32)  # fp16/bf16 -> fp32 is exact
     n = flat.numel()
     groups = -(-n // group_size)
@@ -155,22 +188,28 @@ def quantize(
         num = torch.where(coded, flat - torch.where(coded, o, torch.zeros_like(o)),
                           torch.zeros_like(flat))
     v = num / s_safe
+    assert rounding == "nearest" or seed is not None, "the reference needs an explicit seed"
+    if fp8:
+        q = v if rounding == "nearest" else fp8_stochastic(v, uniforms(seed, n))
+        q = torch.where(coded, torch.clamp(q, -FP8_MAX, FP8_MAX), torch.zeros_like(q))
+        data = q.to(torch.float8_e4m3fn).view(torch.uint8)
+        return RefQuantized(data.to(torch.int32), data, scales, offsets, x.shape, x.dtype, fmt,
+                            group_size)
     if rounding == "nearest":
         q = torch.round(v)  # round half to even
     else:
-        assert seed is not None, "the reference needs an explicit seed"
         q = torch.floor(v + uniforms(seed, n))
     lo_c, hi_c = (-qmax(bits), qmax(bits)) if symmetric else (0, levels(bits))
     q = torch.clamp(q, lo_c, hi_c)
     codes = torch.where(coded, q, torch.zeros_like(q)).to(torch.int32)
-    return RefQuantized(codes, pack(codes, bits), scales, offsets, x.shape, x.dtype, bits,
+    return RefQuantized(codes, pack(codes, bits), scales, offsets, x.shape, x.dtype, fmt,
                         group_size)
 
 
 # ---- byte layout ------------------------------------------------------------------------
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack(codes: torch.Tensor, bits) -> torch.Tensor:
     """int32 codes -> qcoll's bytes (two's complement for negative codes)."""
-    if bits == 8:
+    if width(bits) == 8:
         return (codes & 0xFF).to(torch.uint8)
     nib = codes & 0xF
     if nib.numel() % 2:
@@ -178,10 +217,12 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return (nib[0::2] | (nib[1::2] << 4)).to(torch.uint8)
 
 
-def unpack(data: torch.Tensor, n: int, bits: int, symmetric: bool) -> torch.Tensor:
-    """qcoll's bytes -> int32 codes (sign-extended when symmetric)."""
+def unpack(data: torch.Tensor, n: int, bits, symmetric: bool) -> torch.Tensor:
+    """qcoll's bytes -> int32 codes (sign-extended when symmetric; fp8: the bytes)."""
     data = data.to("cpu").reshape(-1)
-    if bits == 8:
+    if format_name(bits) == FP8:
+        return data.to(torch.int32)[:n]
+    if width(bits) == 8:
         return (data.view(torch.int8) if symmetric else data).to(torch.int32)[:n]
     b = data.to(torch.int32)
     nib = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)[:n]
@@ -189,10 +230,17 @@ def unpack(data: torch.Tensor, n: int, bits: int, symmetric: bool) -> torch.Tens
 
 
 # ---- dequantize -------------------------------------------------------------------------
+def decoded_codes(data, n: int, bits, symmetric: bool) -> torch.Tensor:
+    """The value of each code before scaling, float32 (fp8: torch's E4M3FN conversion)."""
+    if format_name(bits) == FP8:
+        return data.to("cpu").reshape(-1)[:n].contiguous().view(torch.float8_e4m3fn).to(F32)
+    return unpack(data, n, bits, symmetric).to(F32)
+
+
 def dequantize_parts(data, scales, offsets, shape, bits, group_size, dtype) -> torch.Tensor:
     n = torch.Size(shape).numel()
     symmetric = offsets is None
-    codes = unpack(data, n, bits, symmetric).to(F32)
+    codes = decoded_codes(data, n, bits, symmetric)
     y = codes * _per_element(scales.to("cpu"), group_size, n)
     if not symmetric:
         y = y + _per_element(offsets.to("cpu"), group_size, n)  # separate add: no FMA
@@ -201,7 +249,7 @@ def dequantize_parts(data, scales, offsets, shape, bits, group_size, dtype) -> t
 
 def dequantize(q, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Works on a RefQuantized or on a qcoll.QuantizedTensor (same field names)."""
-    return dequantize_parts(q.data, q.scales, q.offsets, q.shape, q.bits, q.group_size,
+    return dequantize_parts(q.data, q.scales, q.offsets, q.shape, q.format, q.group_size,
                             dtype or q.dtype)
 
 
@@ -217,17 +265,23 @@ OUT_ROUNDING = {
 def error_bound(x: torch.Tensor, q, out_dtype: torch.dtype) -> torch.Tensor:
     """Allowed |x - dequantize(q)| per element (float64), q quantized from x.
 
-    scale/2 is the rounding error. The rest is fp32 rounding: a few units of 2**-24 relative
-    to |x| and |offset| from (x - offset) / scale and code * scale (+ offset); 2**-142 for
-    subnormal scales (or scales that underflow to 0), whose own relative error is large;
-    then the output dtype's rounding of the result.
+    scale/2 is the rounding error of the integer formats; fp8_e4m3's is half an E4M3 ulp of
+    x / scale: |x| / 16 (normal codes, 3 mantissa bits) plus scale / 1024 (half the subnormal
+    spacing 2**-9). The rest is fp32 rounding: a few units of 2**-24 relative to |x| and
+    |offset| from (x - offset) / scale and code * scale (+ offset); 2**-142 for subnormal
+    scales (or scales that underflow to 0), whose own relative error is large; then the
+    output dtype's rounding of the result.
     """
     n = x.numel()
     s = _per_element(q.scales.to("cpu"), q.group_size, n).double()
     o = (_per_element(q.offsets.to("cpu"), q.group_size, n).double().abs()
          if q.offsets is not None else torch.zeros(n, dtype=torch.float64))
     ax = x.detach().to("cpu").reshape(-1).double().abs()
-    bound = s / 2 * (1 + 1e-6) + 2.0**-21 * (ax + o) + 2.0**-142
+    if format_name(q.format) == FP8:
+        rounding = (ax / 16 + s / 1024) * (1 + 1e-6)
+    else:
+        rounding = s / 2 * (1 + 1e-6)
+    bound = rounding + 2.0**-21 * (ax + o) + 2.0**-142
     rel, absolute = OUT_ROUNDING[out_dtype]
     return bound + rel * (ax + s) + absolute
 
@@ -297,8 +351,8 @@ def assert_same_bytes(actual: torch.Tensor, expected: torch.Tensor, what: str = 
 
 def assert_matches_reference(q, ref: RefQuantized) -> None:
     """q (a qcoll.QuantizedTensor) has exactly the reference's fields, codes and scales."""
-    assert (q.shape, q.dtype, q.bits, q.group_size) == (
-        ref.shape, ref.dtype, ref.bits, ref.group_size)
+    assert (q.shape, q.dtype, q.format, q.group_size) == (
+        ref.shape, ref.dtype, ref.format, ref.group_size)
     assert_same_bytes(q.data, ref.data, "codes")
     assert_same_bits(q.scales, ref.scales, "scales")
     if ref.offsets is None:

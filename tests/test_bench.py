@@ -25,7 +25,8 @@ def test_kernels_quick_result_line():
     assert {r["bytes"] for r in rows} == {64 << 10}
     kernels = {r["kernel"] for r in rows}
     for k in ("copy", "quantize int8", "dequantize int4", "swizzled quantize int8",
-              "dq-reduce-q int8x2->int4", "dq-reduce-q int8x4->int4", "dq-reduce int4x2"):
+              "dq-reduce-q int8x2->int4", "dq-reduce-q int8x4->int4", "dq-reduce int4x2",
+              "quantize fp8_e4m3", "dequantize fp8_e4m3"):
         assert k in kernels, (k, kernels)
     assert all(r["gbps"] > 0 for r in rows)
     assert "cpu_kernels_frac_of_copy" in result["targets"]

@@ -140,8 +140,8 @@ def assert_bits(actual, expected, what):
 
 
 # ---- workers ------------------------------------------------------------------------------
-RS_CONFIGS = (  # (intra_bits, inter_bits)
-    (8, 4), (8, 8), (4, 4), (None, 4), (8, None))
+RS_CONFIGS = (  # (intra_bits, inter_bits); every spelling of a format
+    (8, 4), (8, 8), (4, 4), (None, 4), (8, None), ("fp8_e4m3", 4), ("int8", "fp8_e4m3"))
 
 
 def pairwise(**axes) -> list:
@@ -276,7 +276,8 @@ RS_LAYOUTS = [  # world, node_size, axes of the cases (pairwise-covered)
                             group_size=(None,), stages=(1, 2), hierarchical=(None,)),
                  id="2nodes_x4"),
     # Groups larger than the CPU kernels' 2048-element blocks, within and across slices.
-    pytest.param(4, 2, dict(dtype=(F32, torch.bfloat16), n=(5000,), bits=((8, 4), (4, 8)),
+    pytest.param(4, 2, dict(dtype=(F32, torch.bfloat16), n=(5000,),
+                            bits=((8, 4), (4, 8), ("fp8_e4m3", "fp8_e4m3")),
                             group_size=(4096,), stages=(1, 2), hierarchical=(None, False)),
                  id="2nodes_x2-big-groups"),
 ]
@@ -301,9 +302,10 @@ AG_LAYOUTS = [
 @pytest.mark.parametrize("world,node_size,dtypes,sizes", AG_LAYOUTS)
 def test_allgather_matches_simulation_and_is_identical_on_all_ranks(world, node_size, dtypes, sizes):
     group_sizes = (8, 256, None) if max(sizes) < 5000 else (4096, None)
-    results = run_ranks(world, _allgather_worker, node_size, dtypes, sizes, (8, 4), group_sizes,
+    bits_list = (8, 4, "fp8_e4m3")
+    results = run_ranks(world, _allgather_worker, node_size, dtypes, sizes, bits_list, group_sizes,
                         timeout=120)
-    assert len(results[0]) == len(dtypes) * len(sizes) * 2 * len(group_sizes)
+    assert len(results[0]) == len(dtypes) * len(sizes) * len(bits_list) * len(group_sizes)
     for r in range(1, world):
         for a, b in zip(results[0], results[r]):
             assert torch.equal(a.view(_INT_VIEW[a.dtype]), b.view(_INT_VIEW[b.dtype])), (
@@ -367,5 +369,6 @@ def _nonfinite_worker(rank, world, node_size, cases):
 
 
 def test_nonfinite_inputs_poison_their_groups():
-    cases = [(F32, 8, 4, None), (torch.float16, 8, 8, False), (torch.bfloat16, 4, 4, True)]
+    cases = [(F32, 8, 4, None), (torch.float16, 8, 8, False), (torch.bfloat16, 4, 4, True),
+             (torch.float16, "fp8_e4m3", "fp8_e4m3", None)]
     assert run_ranks(4, _nonfinite_worker, 2, cases, timeout=60) == [True] * 4

@@ -69,7 +69,7 @@ def test_emu_encode(emu, dtype, bits, n, group_size):
     cases.check_encode_case(emu, dtype, bits, n, group_size)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, cases.FP8])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_emu_encode_hard_values_and_big_groups(emu, dtype, bits):
     cases.check_encode_big(emu, dtype, bits)
@@ -86,6 +86,6 @@ def test_emu_reduce_one_to_eight_sources(emu, in_bits, out_name, sources):
 
 
 @pytest.mark.parametrize("out_name", cases.OUTS)
-@pytest.mark.parametrize("in_bits", [4, 8, 0])
+@pytest.mark.parametrize("in_bits", cases.WIRE_BITS)
 def test_emu_reduce_big_groups_and_many_outputs(emu, in_bits, out_name):
     cases.check_reduce_big(emu, in_bits, out_name)

@@ -80,7 +80,7 @@ def test_shared_race_names_both_threads_in_thread_order():
 def test_entry_points_validate_like_qcoll():
     x = torch.zeros(16)
     out = torch.zeros(16, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+    with pytest.raises(ValueError, match="format must be int8 \\(0\\), int4 \\(1\\) or fp8_e4m3"):
         EMU.quantize(x.data_ptr(), 0, 16, 5, 8, True, 0, 0, 0, out.data_ptr(), out.data_ptr(), 0,
                      EMU.DEVICE_KIND, 0, 0)
     with pytest.raises(ValueError, match="schedule must be 'ordered' or 'random'"):

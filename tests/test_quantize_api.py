@@ -37,7 +37,8 @@ def test_input_not_a_tensor(bad):
 
 @pytest.mark.parametrize("bits", [0, 1, 2, 3, 5, 6, 7, 16, 32, -8, True, "8", None, 4.5])
 def test_bad_bits(x, bits):
-    with pytest.raises(ValueError, match=r"bits must be 4 or 8, got " + re.escape(repr(bits))):
+    with pytest.raises(ValueError, match=r"bits must be 8 / 'int8', 4 / 'int4' or 'fp8_e4m3', "
+                       r"got " + re.escape(repr(bits))):
         qcoll.quantize(x, bits=bits)
 
 
@@ -116,13 +117,16 @@ def test_cuda_tensor_without_cuda_build():
 def test_core_rejects_cuda_pointer_without_cuda_build():
     # The C++ core checks too (device kind 1 = CUDA), whatever the Python layer does.
     with pytest.raises(ValueError, match=r"built without CUDA kernels"):
-        _C.quantize(0, 0, 8, 8, 8, True, 0, 0, 0, 0, 0, 0, 1, 0, 0)
+        _C.quantize(0, 0, 8, 0, 8, True, 0, 0, 0, 0, 0, 0, 1, 0, 0)
 
 
 @pytest.mark.parametrize(
     "kwargs,pattern",
     [
-        (dict(bits=5), r"bits must be 4 or 8, got 5"),
+        (dict(format=5), r"format must be int8 \(0\), int4 \(1\) or fp8_e4m3 \(2\), got code 5"),
+        (dict(format=_C.RAW_FORMAT), r"format must be int8"),
+        (dict(format=_C.FORMATS["fp8_e4m3"]["code"], symmetric=False),
+         r"fp8_e4m3 codes are symmetric only"),
         (dict(group_size=12), r"group_size must be a positive multiple of 8 up to 16777216, got 12"),
         (dict(group_size=MAX_GROUP_SIZE + 8), r"group_size must be a positive multiple of 8"),
         (dict(rounding=2), r"rounding must be nearest \(0\) or stochastic \(1\), got 2"),
@@ -131,7 +135,7 @@ def test_core_rejects_cuda_pointer_without_cuda_build():
     ],
 )
 def test_core_validates_arguments(kwargs, pattern):
-    args = dict(input=0, dtype=0, n=0, bits=8, group_size=256, symmetric=True, rounding=0,
+    args = dict(input=0, dtype=0, n=0, format=0, group_size=256, symmetric=True, rounding=0,
                 seed=0, index_base=0, codes=0, scales=0, offsets=0, device_kind=0,
                 device_index=0, stream=0)
     args.update(kwargs)
@@ -307,8 +311,9 @@ def _replace(q, **kw):
         ("shape", lambda q: torch.Size([2, 25]), r"q.data .* of 25 elements"),
         ("group_size", lambda q: 8, r"q.scales .* of 13 elements"),
         ("group_size", lambda q: 12, r"q.group_size must be a positive multiple of 8"),
-        ("bits", lambda q: 8, r"q.data .* of 100 elements"),
-        ("bits", lambda q: 3, r"q.bits must be 4 or 8, got 3"),
+        ("format", lambda q: 8, r"q.data .* of 100 elements"),
+        ("format", lambda q: 3, r"q.format must be 8 / 'int8', 4 / 'int4' or 'fp8_e4m3', got 3"),
+        ("format", lambda q: "fp8_e4m3", r"q.offsets must be None: fp8_e4m3 codes are symmetric"),
         ("scales", lambda q: q.scales.to("meta"), r"q.scales is on meta but q.data is on cpu"),
     ],
 )

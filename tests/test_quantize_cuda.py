@@ -27,8 +27,8 @@ def check_same(x_cpu, x_dev, *, out_dtypes=(None,), **kw):
     """quantize/dequantize of x_dev (on the GPU) == of x_cpu (same values on the CPU)."""
     q_c = qcoll.quantize(x_cpu, **kw)
     q_d = qcoll.quantize(x_dev, **kw)
-    assert (q_d.shape, q_d.dtype, q_d.bits, q_d.group_size) == (
-        q_c.shape, q_c.dtype, q_c.bits, q_c.group_size)
+    assert (q_d.shape, q_d.dtype, q_d.format, q_d.group_size) == (
+        q_c.shape, q_c.dtype, q_c.format, q_c.group_size)
     ref.assert_same_bytes(q_d.data.cpu(), q_c.data, "codes")
     ref.assert_same_bits(q_d.scales.cpu(), q_c.scales, "scales")
     for dtype in out_dtypes:

@@ -41,6 +41,7 @@ MISMATCHES = {
     "ag_numel": (_ag(N + 24), _ag(N), ["quantized_allgather", "1024 float32", "1000 float32"]),
     "ag_bits": (_ag(N, bits=4), _ag(N), ["int4", "int8"]),
     "ag_bits_none": (_ag(N, bits=None), _ag(N), ["raw", "int8"]),
+    "ag_fp8": (_ag(N, bits="fp8_e4m3"), _ag(N, bits="int8"), ["fp8_e4m3", "int8"]),
 }
 TWO_HOP_ONLY = {  # on one node these arguments do not change the call
     "rs_hierarchical": (_rs(N, hierarchical=False), _rs(N), ["1-hop", "2-hop"]),

@@ -23,11 +23,21 @@ def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def chunk_bytes(bits: int, group_size: int, dtype: torch.dtype, n: int) -> int:
+# A hop's format in these tests: 8, 4 or "fp8_e4m3" (codes), 0 (raw values).
+def wire_code(bits) -> int:
+    """The core's format code (_C.FORMATS, _C.RAW_FORMAT) of a test's hop spelling."""
+    return _C.RAW_FORMAT if bits == 0 else _C.FORMATS[ref.format_name(bits)]["code"]
+
+
+def code_len(n: int, bits) -> int:
+    return -(-n * ref.width(bits) // 8)
+
+
+def chunk_bytes(bits, group_size: int, dtype: torch.dtype, n: int) -> int:
     """The layout of wire.h, written out independently."""
     if bits == 0:
         return round_up(n * torch.finfo(dtype).bits // 8, 16)
-    return round_up(-(-n * bits // 8), 16) + round_up(-(-n // group_size) * 4, 16)
+    return round_up(code_len(n, bits), 16) + round_up(-(-n // group_size) * 4, 16)
 
 
 def partition(k: int, node_size: int, nodes: int) -> int:
@@ -47,7 +57,7 @@ def ref_chunk(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
         out[: raw.numel()] = raw
         return out
     q = ref.quantize(x, bits=bits, group_size=group_size, symmetric=True)
-    so = round_up(-(-n * bits // 8), 16)
+    so = round_up(code_len(n, bits), 16)
     out[: q.data.numel()] = q.data
     out[so : so + 4 * q.scales.numel()] = as_bytes(q.scales)
     return out
@@ -57,10 +67,10 @@ def decode_chunk(chunk: torch.Tensor, bits: int, group_size: int, dtype: torch.d
     """fp32 values of a chunk (raw chunks hold `dtype` values)."""
     if bits == 0:
         return chunk[: n * torch.finfo(dtype).bits // 8].view(dtype).to(torch.float32)
-    so = round_up(-(-n * bits // 8), 16)
+    so = round_up(code_len(n, bits), 16)
     groups = -(-n // group_size)
     scales = chunk[so : so + 4 * groups].view(torch.float32)
-    return ref.dequantize_parts(chunk[: -(-n * bits // 8)], scales, None, (n,), bits, group_size,
+    return ref.dequantize_parts(chunk[: code_len(n, bits)], scales, None, (n,), bits, group_size,
                                 torch.float32)
 
 
@@ -68,11 +78,12 @@ def decode_chunk(chunk: torch.Tensor, bits: int, group_size: int, dtype: torch.d
 def run_encode(x, partition_elems, slice_begin, n, count, node_size, nodes, bits, group_size,
                stride=None, device=CPU, out=None, lib=_C):
     """lib: the module whose kernels run (qcoll._C, or the CUDA emulator's)."""
-    stride = stride if stride is not None else _C.wire_chunk_bytes(bits, group_size, CODE[x.dtype], n)
+    stride = stride if stride is not None else _C.wire_chunk_bytes(wire_code(bits), group_size,
+                                                                   CODE[x.dtype], n)
     if out is None:
         out = torch.full((count * stride,), GARBAGE, dtype=torch.uint8, device=x.device)
     lib.encode_chunks(x.data_ptr(), CODE[x.dtype], partition_elems, slice_begin, n, count,
-                     node_size, nodes, bits, group_size, out.data_ptr(), stride, *device)
+                     node_size, nodes, wire_code(bits), group_size, out.data_ptr(), stride, *device)
     return out, stride
 
 
@@ -91,7 +102,7 @@ def expected_encode(x, partition_elems, slice_begin, n, count, node_size, nodes,
 # (n, group_size): odd lengths x small, odd-multiple and default groups, plus groups larger
 # than the CPU's stack block (2048) in a run of several of them.
 SIZES = [(n, gs) for n in (1, 7, 13, 1000) for gs in (8, 24, 256)] + [(9001, 4096)]
-ENCODE_GRID = [(bits, n, gs) for bits in (4, 8) for n, gs in SIZES] + [
+ENCODE_GRID = [(bits, n, gs) for bits in (4, 8, ref.FP8) for n, gs in SIZES] + [
     (0, n, 8) for n in (1, 7, 13, 1000, 9001)]  # raw chunks: group_size plays no part
 
 
@@ -175,15 +186,15 @@ def run_reduce(buf, in_bits, group_size, dtype, n, sources, source_stride, outpu
         _, out_bits, stride = out
         if out_wire is None:
             out_wire = torch.full((outputs * stride,), GARBAGE, dtype=torch.uint8, device=dev)
-        lib.reduce_chunks(buf.data_ptr(), in_bits, group_size, CODE[dtype], n, sources,
+        lib.reduce_chunks(buf.data_ptr(), wire_code(in_bits), group_size, CODE[dtype], n, sources,
                          source_stride, outputs, output_stride, divisor, out_wire.data_ptr(),
-                         out_bits, stride, 0, 0, 0, *device)
+                         wire_code(out_bits), stride, 0, 0, 0, *device)
         return out_wire
     _, out_dtype, stride = out
     if out_values is None:
         out_values = torch.full((outputs * stride,), 7.0, dtype=out_dtype, device=dev)
-    lib.reduce_chunks(buf.data_ptr(), in_bits, group_size, CODE[dtype], n, sources, source_stride,
-                     outputs, output_stride, divisor, 0, 0, 0, out_values.data_ptr(),
+    lib.reduce_chunks(buf.data_ptr(), wire_code(in_bits), group_size, CODE[dtype], n, sources,
+                     source_stride, outputs, output_stride, divisor, 0, 0, 0, out_values.data_ptr(),
                      CODE[out_dtype], stride, *device)
     return out_values
 
@@ -196,7 +207,7 @@ REDUCE_CASES = [
     (2, 1, 3.0, torch.float32, True, 0),
     (8, 2, 8.0, torch.float16, False, 0),
 ]
-OUTS = ["wire4", "wire8", "wire0", "values"]
+OUTS = ["wire4", "wire8", "wire" + ref.FP8, "wire0", "values"]
 
 
 def expected_output(sums, out, n, group_size, dtype, out_stride):
@@ -218,14 +229,14 @@ def out_spec(out_name, case_dtype, n, group_size, outputs, values_dtype):
     if out_name == "values":
         stride = n + (3 if outputs > 1 else 0)
         return ("values", values_dtype, stride), ("values", values_dtype)
-    bits = int(out_name[4:])
+    bits = out_name[4:] if out_name[4:] == ref.FP8 else int(out_name[4:])
     stride = chunk_bytes(bits, group_size, case_dtype, n) + (16 if outputs > 1 else 0)
     return ("wire", bits, stride), ("wire", bits)
 
 
 @pytest.mark.parametrize("n,group_size", SIZES)
 @pytest.mark.parametrize("out_name", OUTS)
-@pytest.mark.parametrize("in_bits", [4, 8, 0])
+@pytest.mark.parametrize("in_bits", [4, 8, ref.FP8, 0])
 def test_reduce_matches_reference(in_bits, out_name, n, group_size):
     for i, (sources, outputs, divisor, dtype, source_major, slack) in enumerate(REDUCE_CASES):
         buf, ss, os_ = make_sources(outputs, sources, n, in_bits, group_size, dtype,
@@ -245,7 +256,7 @@ def test_reduce_matches_reference(in_bits, out_name, n, group_size):
 
 
 @pytest.mark.parametrize("out_name", OUTS)
-@pytest.mark.parametrize("in_bits", [4, 8, 0])
+@pytest.mark.parametrize("in_bits", [4, 8, ref.FP8, 0])
 def test_reduce_non_finite_stays_non_finite(in_bits, out_name):
     n, gs, sources, outputs = 100, 24, 3, 2
     dtype = torch.float16
@@ -280,31 +291,35 @@ def test_reduce_single_source_is_decode():
 
 
 def test_len_zero_is_a_no_op():
-    _C.encode_chunks(0, 0, 0, 0, 0, 4, 2, 2, 8, 256, 0, 0, *CPU)
-    _C.reduce_chunks(0, 8, 256, 0, 0, 2, 0, 2, 0, 2.0, 0, 0, 0, 16, 0, 0, *CPU)
+    _C.encode_chunks(0, 0, 0, 0, 0, 4, 2, 2, wire_code(8), 256, 0, 0, *CPU)
+    _C.reduce_chunks(0, wire_code(8), 256, 0, 0, 2, 0, 2, 0, 2.0, 0, 0, 0, 16, 0, 0, *CPU)
 
 
 # ---- argument errors --------------------------------------------------------------------------
 def test_wire_chunk_bytes_checks_the_format():
-    assert _C.wire_chunk_bytes(8, 256, 0, 1000) == chunk_bytes(8, 256, torch.float32, 1000)
-    assert _C.wire_chunk_bytes(0, 12345, 2, 3) == 16  # raw: group_size unused
-    assert _C.wire_chunk_bytes(0, 256, 3, 17) == 32  # raw bytes (code 3): 17 bytes, padded
-    for bits, gs, raw in [(3, 256, 0), (16, 256, 0), (8, 12, 0), (4, 0, 0), (8, 2**25, 0),
-                          (0, 256, 4), (8, 256, 3), (4, 256, 3), (8, 256, -1)]:
+    for bits in (8, 4, ref.FP8):
+        assert _C.wire_chunk_bytes(wire_code(bits), 256, 0, 1000) == chunk_bytes(
+            bits, 256, torch.float32, 1000)
+    raw = _C.RAW_FORMAT
+    assert _C.wire_chunk_bytes(raw, 12345, 2, 3) == 16  # raw: group_size unused
+    assert _C.wire_chunk_bytes(raw, 256, 3, 17) == 32  # raw bytes (dtype code 3): 17 bytes, padded
+    for code, gs, dtype in [(-1, 256, 0), (4, 256, 0), (8, 256, 0), (0, 12, 0), (1, 0, 0),
+                            (0, 2**25, 0), (raw, 256, 4), (0, 256, 3), (1, 256, 3), (2, 256, 3),
+                            (0, 256, -1)]:
         with pytest.raises(ValueError):
-            _C.wire_chunk_bytes(bits, gs, raw, 10)
+            _C.wire_chunk_bytes(code, gs, dtype, 10)
 
 
 def _encode_kwargs(x, out, **over):
     kw = dict(input=x.data_ptr(), dtype=0, partition_elems=64, slice_begin=0, len=64, count=4,
-              node_size=2, nodes=2, bits=8, group_size=32, output=out.data_ptr(), chunk_stride=96,
+              node_size=2, nodes=2, format=wire_code(8), group_size=32, output=out.data_ptr(), chunk_stride=96,
               device_kind=0, device_index=0, stream=0)
     kw.update(over)
     return kw
 
 
 @pytest.mark.parametrize("over,match", [
-    (dict(bits=5), "bits"),
+    (dict(format=5), "format"),
     (dict(group_size=20), "group_size"),
     (dict(dtype=7), "dtype"),
     (dict(len=-1), "len"),
@@ -333,17 +348,17 @@ def test_encode_argument_errors(over, match):
 
 def _reduce_kwargs(buf, out, **over):
     cb = chunk_bytes(8, 32, torch.float32, 64)  # 64 + 16
-    kw = dict(input=buf.data_ptr(), in_bits=8, group_size=32, raw_dtype=0, len=64, sources=2,
+    kw = dict(input=buf.data_ptr(), in_format=wire_code(8), group_size=32, raw_dtype=0, len=64, sources=2,
               source_stride=cb, outputs=2, output_in_stride=2 * cb, divisor=2.0,
-              out_wire=out.data_ptr(), out_bits=4, out_chunk_stride=cb, out_values=0,
+              out_wire=out.data_ptr(), out_format=wire_code(4), out_chunk_stride=cb, out_values=0,
               out_dtype=0, out_values_stride=0, device_kind=0, device_index=0, stream=0)
     kw.update(over)
     return kw
 
 
 @pytest.mark.parametrize("over,match", [
-    (dict(in_bits=2), "bits"),
-    (dict(out_bits=6), "bits"),
+    (dict(in_format=5), "format"),
+    (dict(out_format=-1), "format"),
     (dict(group_size=4), "group_size"),
     (dict(raw_dtype=3), "dtype"),
     (dict(len=-5), "len"),

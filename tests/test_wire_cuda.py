@@ -12,7 +12,7 @@ import cuda_cases as cases
 import qcoll
 import reference as ref
 from qcoll import _C
-from test_wire import CODE, DTYPES, OUTS, chunk_bytes, run_encode, run_reduce
+from test_wire import CODE, DTYPES, OUTS, chunk_bytes, run_encode, run_reduce, wire_code
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and qcoll.build_info()["cuda_available"]),
@@ -35,7 +35,7 @@ def test_encode_cuda_matches_cpu(dtype, bits, n, group_size):
     cases.check_encode_case(GPU, dtype, bits, n, group_size)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, cases.FP8])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_encode_cuda_hard_values_and_big_groups(dtype, bits):
     # Subnormals to the dtype's max, zero groups, NaN/Inf groups; groups larger than a
@@ -54,7 +54,7 @@ def test_reduce_cuda_one_to_eight_sources(in_bits, out_name, sources):
 
 
 @pytest.mark.parametrize("out_name", OUTS)
-@pytest.mark.parametrize("in_bits", [4, 8, 0])
+@pytest.mark.parametrize("in_bits", cases.WIRE_BITS)
 def test_reduce_cuda_big_groups_and_many_outputs(in_bits, out_name):
     cases.check_reduce_big(GPU, in_bits, out_name)
 
@@ -70,7 +70,7 @@ def test_wire_cuda_runs_on_the_given_stream():
         out = torch.empty(count * stride, dtype=torch.uint8, device=DEVICE)
         run_encode(x, n, 0, n, count, 2, 2, 8, gs, stride=stride, device=cuda_args(), out=out)
         vals = torch.empty(n, device=DEVICE)
-        _C.reduce_chunks(out.data_ptr(), 8, gs, CODE[torch.float32], n, count, stride, 1, 0,
+        _C.reduce_chunks(out.data_ptr(), wire_code(8), gs, CODE[torch.float32], n, count, stride, 1, 0,
                          4.0, 0, 0, 0, vals.data_ptr(), CODE[torch.float32], n, *cuda_args())
     s.synchronize()
     want, _ = run_encode(x.cpu(), n, 0, n, count, 2, 2, 8, gs)

@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 import qcoll
 from qcoll import _C
+from qcoll._dtypes import DTYPE_CODES as CODES
+from qcoll._formats import format_code
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # torch's all_gather_into_tensor / reduce_scatter_tensor; torch >= 2.9 names them
 # all_gather_single / reduce_scatter_single and deprecates the old names (same collective).
 TORCH_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -165,21 +166,23 @@ def rs_phases(b: "Bench", group, inp, out, n: int) -> dict:
     code, gs = CODES[inp.dtype], qcoll.DEFAULT_GROUP_SIZE
     world, ns = b.world, b.cfg["node_size"]
     nodes = world // ns
-    c1, c2 = _C.wire_chunk_bytes(8, gs, code, n), _C.wire_chunk_bytes(4, gs, code, n)
+    int8, int4 = format_code(8), format_code(4)
+    c1, c2 = _C.wire_chunk_bytes(int8, gs, code, n), _C.wire_chunk_bytes(int4, gs, code, n)
     u8 = dict(dtype=torch.uint8, device=inp.device)
     send1, recv1 = torch.empty(world * c1, **u8), torch.empty(world * c1, **u8)
     send2, recv2 = torch.empty(nodes * c2, **u8), torch.empty(nodes * c2, **u8)
     dev = _dev_args(inp.device)
 
     def kernels():
-        _C.encode_chunks(inp.data_ptr(), code, n, 0, n, world, ns, nodes, 8, gs, send1.data_ptr(), c1, *dev)
+        _C.encode_chunks(inp.data_ptr(), code, n, 0, n, world, ns, nodes, int8, gs, send1.data_ptr(), c1,
+                         *dev)
         # send1 has recv1's layout (node_size sources of nodes chunks): valid wire data.
-        _C.reduce_chunks(send1.data_ptr(), 8, gs, code, n, ns, nodes * c1, nodes, c1, 1.0,
-                         send2.data_ptr(), 4, c2, 0, code, 0, *dev)
-        _C.reduce_chunks(send2.data_ptr(), 4, gs, code, n, nodes, c2, 1, 0, float(world), 0, 0, 0,
+        _C.reduce_chunks(send1.data_ptr(), int8, gs, code, n, ns, nodes * c1, nodes, c1, 1.0,
+                         send2.data_ptr(), int4, c2, 0, code, 0, *dev)
+        _C.reduce_chunks(send2.data_ptr(), int4, gs, code, n, nodes, c2, 1, 0, float(world), 0, 0, 0,
                          out.data_ptr(), code, 0, *dev)
 
-    ws = _C.plan_reduce_scatter(world, ns, n, code, 8, 4, gs, 1, -1).workspace_bytes
+    ws = _C.plan_reduce_scatter(world, ns, n, code, int8, int4, gs, 1, -1).workspace_bytes
     return _phase_times(b, {
         "kernels": kernels,
         "intra_hop": lambda: dist.all_to_all_single(recv1, send1, group=group.intra.pg),
@@ -192,22 +195,23 @@ def ag_phases(b: "Bench", shard, full, n: int) -> dict:
     int8 chunks."""
     code, gs = CODES[shard.dtype], qcoll.DEFAULT_GROUP_SIZE
     world = b.world
-    chunk = _C.wire_chunk_bytes(8, gs, code, n)
+    int8 = format_code(8)
+    chunk = _C.wire_chunk_bytes(int8, gs, code, n)
     send = torch.empty(chunk, dtype=torch.uint8, device=shard.device)
     recv = torch.empty(world * chunk, dtype=torch.uint8, device=shard.device)
     dev = _dev_args(shard.device)
 
     def encode():
-        _C.encode_chunks(shard.data_ptr(), code, n, 0, n, 1, 0, 1, 8, gs, send.data_ptr(), chunk, *dev)
+        _C.encode_chunks(shard.data_ptr(), code, n, 0, n, 1, 0, 1, int8, gs, send.data_ptr(), chunk, *dev)
 
     def kernels():
         encode()
-        _C.reduce_chunks(recv.data_ptr(), 8, gs, code, n, 1, chunk, world, chunk, 1.0, 0, 0, 0,
+        _C.reduce_chunks(recv.data_ptr(), int8, gs, code, n, 1, chunk, world, chunk, 1.0, 0, 0, 0,
                          full.data_ptr(), code, n, *dev)
 
     encode()
     TORCH_AG(recv, send)  # valid chunks for the decode
-    ws = _C.plan_all_gather(world, n, code, 8, gs).workspace_bytes
+    ws = _C.plan_all_gather(world, n, code, int8, gs).workspace_bytes
     return _phase_times(b, {"kernels": kernels, "hop": lambda: TORCH_AG(recv, send)}, ws, shard.device)
 
 
@@ -271,7 +275,8 @@ def pipeline_rows(b: Bench, group, cfg: dict, device) -> list:
             stages = int(impl.split("=")[1].split()[0])
             auto = not impl.endswith("forced")
             row["stages_run"] = _C.plan_reduce_scatter(
-                world, cfg["node_size"], n, 0, 8, 4, qcoll.DEFAULT_GROUP_SIZE, stages, -1, True,
+                world, cfg["node_size"], n, 0, format_code(8), format_code(4), qcoll.DEFAULT_GROUP_SIZE,
+                stages, -1, True,
                 _C.MIN_PIPELINE_STAGE_BYTES if auto else 0).stages
             row["vs_one_stage"] = new["stages=1"]["time_s"] / row["time_s"]
         rows += new.values()

@@ -1,14 +1,16 @@
 """`group_size` suite: the error / overhead trade-off behind qcoll.DEFAULT_GROUP_SIZE.
 
-For each group size: relative RMS error and max error (in units of the tensor's RMS) of an
-int8 and int4 round trip on two inputs (Gaussian, and Gaussian with 0.1% outliers of 50x,
-the shape of real gradients), and the scale overhead in bytes per element."""
+For each group size and code format (int8, int4, fp8_e4m3): relative RMS error and max
+error (in units of the tensor's RMS) of a round trip on two inputs (Gaussian, and Gaussian
+with 0.1% outliers of 50x, the shape of real gradients), and the scale overhead in bytes
+per element."""
 
 from __future__ import annotations
 
 import torch
 
 import qcoll
+from qcoll._formats import FORMATS
 
 GROUP_SIZES = [32, 64, 128, 256, 512, 1024, 4096]
 
@@ -28,26 +30,30 @@ def run(quick: bool, progress) -> dict:
     rows = []
     task = progress.add_task("group sizes", total=len(GROUP_SIZES))
     for gs in GROUP_SIZES:
-        for bits in (8, 4):
+        for fmt, info in FORMATS.items():
+            bits = info["bits"]
             for name, x in inputs.items():
-                y = qcoll.dequantize(qcoll.quantize(x, bits=bits, group_size=gs))
+                y = qcoll.dequantize(qcoll.quantize(x, bits=fmt, group_size=gs))
                 err = (y - x).float()
                 rms = x.pow(2).mean().sqrt()
-                rows.append(dict(group_size=gs, bits=bits, input=name,
+                rows.append(dict(group_size=gs, format=fmt, bits=bits, input=name,
                                  rel_rms_error=(err.pow(2).mean().sqrt() / rms).item(),
+                                 max_error_rms=(err.abs().max() / rms).item(),
                                  overhead=4 * 8 / (gs * bits)))  # scale bits per code bit
         progress.advance(task)
     return {"rows": rows, "numel": n}
 
 
 def table(result: dict) -> list:
-    lines = [f"{'group':>6} {'bits':>4} {'overhead':>9} {'gaussian':>10} {'outliers':>10}   (relative RMS error)"]
+    lines = [f"{'group':>6} {'format':>8} {'overhead':>9} {'gaussian':>10} {'outliers':>10}"
+             f" {'max gauss':>10} {'max outl':>10}   (relative RMS error; max error / RMS)"]
     by_key = {}
     for r in result["rows"]:
-        by_key.setdefault((r["group_size"], r["bits"]), {})[r["input"]] = r
-    for (gs, bits), d in by_key.items():
-        lines.append(f"{gs:6d} {bits:4d} {d['gaussian']['overhead']:9.2%} "
-                     f"{d['gaussian']['rel_rms_error']:10.2e} {d['outliers']['rel_rms_error']:10.2e}")
+        by_key.setdefault((r["group_size"], r["format"]), {})[r["input"]] = r
+    for (gs, fmt), d in by_key.items():
+        g, o = d["gaussian"], d["outliers"]
+        lines.append(f"{gs:6d} {fmt:>8} {g['overhead']:9.2%} {g['rel_rms_error']:10.2e} "
+                     f"{o['rel_rms_error']:10.2e} {g['max_error_rms']:10.2e} {o['max_error_rms']:10.2e}")
     return lines
 
 

@@ -33,10 +33,11 @@ import torch
 
 import qcoll
 from qcoll import _C
+from qcoll._dtypes import DTYPE_CODES as CODES
+from qcoll._formats import format_code, format_name
 from timing import OtherLoad, copies_for, human_bytes, paired_median_seconds, size_ladder, wait_for_quiet
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 TARGET_FRAC = 0.5  # of the copy bandwidth, on CPU (measured and reported, never asserted)
 MEMORY_BOUND = 64 << 20  # sizes from here on exceed every cache of the dev machine
 
@@ -99,8 +100,8 @@ def _quantize_rows(copy: Copy, nbytes: int, device: torch.device, dtype_name: st
     t_q, c_q = copy.time(lambda i: qcoll.quantize(xs[i % rot], bits=bits, out=qs[i % rot]), rot)
     t_dq, c_dq = copy.time(lambda i: qcoll.dequantize(qs[i % rot], out=out), rot)
     moved = nbytes + q_bytes  # read input + write codes/scales (and the reverse)
-    yield f"quantize int{bits}", dtype_name, moved / t_q / 1e9, c_q
-    yield f"dequantize int{bits}", dtype_name, moved / t_dq / 1e9, c_dq
+    yield f"quantize {format_name(bits)}", dtype_name, moved / t_q / 1e9, c_q
+    yield f"dequantize {format_name(bits)}", dtype_name, moved / t_dq / 1e9, c_dq
 
 
 def _swizzle_row(copy: Copy, nbytes: int, device: torch.device, dtype_name: str, bits: int = 8,
@@ -110,7 +111,7 @@ def _swizzle_row(copy: Copy, nbytes: int, device: torch.device, dtype_name: str,
     count = node_size * nodes
     part = nbytes // dtype.itemsize // count
     gs = qcoll.DEFAULT_GROUP_SIZE
-    chunk = _C.wire_chunk_bytes(bits, gs, CODES[dtype], part)
+    chunk = _C.wire_chunk_bytes(format_code(bits), gs, CODES[dtype], part)
     rot = copies_for(nbytes)
     xs = [torch.randn(count * part, device=device).to(dtype) for _ in range(rot)]
     out = torch.empty(count * chunk, dtype=torch.uint8, device=device)
@@ -118,23 +119,24 @@ def _swizzle_row(copy: Copy, nbytes: int, device: torch.device, dtype_name: str,
 
     def call(i):
         _C.encode_chunks(xs[i % rot].data_ptr(), CODES[dtype], part, 0, part, count, node_size, nodes,
-                         bits, gs, out.data_ptr(), chunk, *dev)
+                         format_code(bits), gs, out.data_ptr(), chunk, *dev)
 
     t, c = copy.time(call, rot)
     moved = count * part * dtype.itemsize + count * chunk
-    return f"swizzled quantize int{bits}", dtype_name, moved / t / 1e9, c
+    return f"swizzled quantize {format_name(bits)}", dtype_name, moved / t / 1e9, c
 
 
 def _wire_sources(n: int, sources: int, bits: int, device: torch.device, rot: int):
     """`rot` buffers of `sources` consecutive wire chunks of n random fp32 values each."""
     gs = qcoll.DEFAULT_GROUP_SIZE
-    chunk = _C.wire_chunk_bytes(bits, gs, 0, n)
+    chunk = _C.wire_chunk_bytes(format_code(bits), gs, 0, n)
     dev = _dev_args(device)
     bufs = []
     for _ in range(rot):
         x = torch.randn(sources * n, device=device)
         buf = torch.empty(sources * chunk, dtype=torch.uint8, device=device)
-        _C.encode_chunks(x.data_ptr(), 0, n, 0, n, sources, 0, 1, bits, gs, buf.data_ptr(), chunk, *dev)
+        _C.encode_chunks(x.data_ptr(), 0, n, 0, n, sources, 0, 1, format_code(bits), gs, buf.data_ptr(),
+                         chunk, *dev)
         bufs.append(buf)
     return bufs, chunk
 
@@ -144,19 +146,19 @@ def _reduce_requant_row(copy: Copy, nbytes: int, device: torch.device, sources: 
     """reduce_chunks(out_wire): dequantize `sources` chunks, sum in fp32, re-quantize."""
     n = nbytes // 4
     gs = qcoll.DEFAULT_GROUP_SIZE
-    rot = copies_for(sources * _C.wire_chunk_bytes(in_bits, gs, 0, n))
+    rot = copies_for(sources * _C.wire_chunk_bytes(format_code(in_bits), gs, 0, n))
     bufs, chunk = _wire_sources(n, sources, in_bits, device, rot)
-    out_chunk = _C.wire_chunk_bytes(out_bits, gs, 0, n)
+    out_chunk = _C.wire_chunk_bytes(format_code(out_bits), gs, 0, n)
     out = torch.empty(out_chunk, dtype=torch.uint8, device=device)
     dev = _dev_args(device)
 
     def call(i):
-        _C.reduce_chunks(bufs[i % rot].data_ptr(), in_bits, gs, 0, n, sources, chunk, 1, 0, 1.0,
-                         out.data_ptr(), out_bits, out_chunk, 0, 0, 0, *dev)
+        _C.reduce_chunks(bufs[i % rot].data_ptr(), format_code(in_bits), gs, 0, n, sources, chunk, 1, 0,
+                         1.0, out.data_ptr(), format_code(out_bits), out_chunk, 0, 0, 0, *dev)
 
     t, c = copy.time(call, rot)
     moved = sources * chunk + out_chunk
-    return f"dq-reduce-q int{in_bits}x{sources}->int{out_bits}", "fp32", moved / t / 1e9, c
+    return f"dq-reduce-q {format_name(in_bits)}x{sources}->{format_name(out_bits)}", "fp32", moved / t / 1e9, c
 
 
 def _reduce_values_row(copy: Copy, nbytes: int, device: torch.device, dtype_name: str, sources: int = 2,
@@ -171,17 +173,18 @@ def _reduce_values_row(copy: Copy, nbytes: int, device: torch.device, dtype_name
     dev = _dev_args(device)
 
     def call(i):
-        _C.reduce_chunks(bufs[i % rot].data_ptr(), in_bits, gs, CODES[dtype], n, sources, chunk, 1, 0,
+        _C.reduce_chunks(bufs[i % rot].data_ptr(), format_code(in_bits), gs, CODES[dtype], n, sources,
+                         chunk, 1, 0,
                          float(sources), 0, 0, 0, out.data_ptr(), CODES[dtype], n, *dev)
 
     t, c = copy.time(call, rot)
     moved = sources * chunk + n * dtype.itemsize
-    return f"dq-reduce int{in_bits}x{sources}", dtype_name, moved / t / 1e9, c
+    return f"dq-reduce {format_name(in_bits)}x{sources}", dtype_name, moved / t / 1e9, c
 
 
 def _rows_at(copy: Copy, nbytes: int, device: torch.device):
     for dtype_name in DTYPES:
-        for bits in (8, 4):
+        for bits in (8, 4, "fp8_e4m3"):
             yield from _quantize_rows(copy, nbytes, device, dtype_name, bits)
     for dtype_name in DTYPES:
         yield _swizzle_row(copy, nbytes, device, dtype_name)

@@ -18,7 +18,9 @@
 
 namespace qcoll {
 
-enum class ReduceOp : int32_t { kSum = 0, kAvg = 1 };
+enum class ReduceOp : int32_t { kSum = 0, kAvg = 1 };  // codes exported as _C.OPS
+
+inline const char* reduce_op_name(ReduceOp op) { return op == ReduceOp::kAvg ? "avg" : "sum"; }
 
 // A buffer passed to the transport. Transports that address memory by pointer (NCCL) use
 // `ptr`; the torch transport addresses the caller's tensors by (buffer id, byte offset),

@@ -1,5 +1,5 @@
 // Element types the core understands. The integer codes are part of the binding ABI
-// (python/qcoll/_dtypes.py mirrors them); never renumber.
+// (exported as _C.DTYPES, read by python/qcoll/_dtypes.py); never renumber.
 #pragma once
 
 #include <cstddef>

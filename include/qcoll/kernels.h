@@ -17,7 +17,7 @@ struct QuantizeArgs {
   int64_t n = 0;
   QuantSpec spec;
   uint64_t index_base = 0;  // logical index of input[0]: stochastic draws use base + i
-  uint8_t* codes = nullptr;   // code_bytes(n, bits)
+  uint8_t* codes = nullptr;   // code_bytes(n, spec.format)
   float* scales = nullptr;    // num_groups(n, group_size)
   float* offsets = nullptr;   // asymmetric only, num_groups(n, group_size)
   Device device;
@@ -28,7 +28,7 @@ struct DequantizeArgs {
   const float* scales = nullptr;
   const float* offsets = nullptr;  // asymmetric only
   int64_t n = 0;
-  int32_t bits = 8;
+  CodeFormat format = CodeFormat::kInt8;
   int64_t group_size = 256;
   bool symmetric = true;
   void* output = nullptr;  // n contiguous elements of `dtype`

@@ -57,14 +57,14 @@ struct ReduceScatterPlan {
   int64_t recv2(int32_t s) const { return send2(s) + nodes * (header + second.chunk_bytes(slice)); }
 };
 
-// bits: 4 or 8 quantizes that hop, 0 sends raw values of `dtype`. hierarchical: 0 forces
+// intra / inter: a code format quantizes that hop, kRaw sends raw values of `dtype`. hierarchical: 0 forces
 // the flat 1-hop path over the whole group; 1 or -1 (the default) take the 2-hop path
 // whenever the group has several nodes of several ranks (otherwise there is one hop).
 // headers: the call is checked across ranks first and every slot starts with a ChunkHeader
 // (host buffers only). min_stage_bytes: the
 // smallest slice (input bytes of one partition) a pipeline stage may have.
 ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t n, DType dtype,
-                                      int32_t intra_bits, int32_t inter_bits, int64_t group_size,
+                                      CodeFormat intra, CodeFormat inter, int64_t group_size,
                                       int32_t stages, int32_t hierarchical, bool headers = false,
                                       int64_t min_stage_bytes = kMinPipelineStageBytes);
 
@@ -74,7 +74,7 @@ struct AllGatherPlan {
   int64_t n = 0;
   int64_t header = 0;
   int64_t call_check = 0;  // workspace bytes of the call check (wire_header.h), first
-  WireFormat fmt;  // bits 0: the transport's own all-gather of raw values, no slots
+  WireFormat fmt;  // kRaw: the transport's own all-gather of raw values, no slots
   int64_t chunk() const { return header + fmt.chunk_bytes(n); }
   int64_t workspace_bytes() const {
     return call_check + (fmt.quantized() ? (world + 1) * chunk() : 0);
@@ -83,7 +83,7 @@ struct AllGatherPlan {
   int64_t send() const { return call_check + world * chunk(); }
 };
 
-AllGatherPlan plan_all_gather(int32_t world, int64_t n, DType dtype, int32_t bits,
+AllGatherPlan plan_all_gather(int32_t world, int64_t n, DType dtype, CodeFormat format,
                               int64_t group_size, bool headers = false);
 
 }  // namespace qcoll

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "qcoll/quant_spec.h"
+
 #if defined(__CUDACC__)
 #define QCOLL_HD __host__ __device__ __forceinline__
 #include <cuda_bf16.h>
@@ -133,8 +135,60 @@ struct GroupParams {
   float offset;  // asymmetric: group minimum (NaN for a non-finite group); symmetric: 0
 };
 
-QCOLL_HD float qmax_symmetric(int bits) { return bits == 8 ? 127.0f : 7.0f; }
-QCOLL_HD float levels_asymmetric(int bits) { return bits == 8 ? 255.0f : 15.0f; }
+// ---- the code formats (quant_spec.h): the largest code magnitude, and the one-value
+// encode/decode of fp8 -------------------------------------------------------------------
+QCOLL_HD float qmax_symmetric(CodeFormat f) {
+  return f == CodeFormat::kFp8E4M3 ? 448.0f : f == CodeFormat::kInt4 ? 7.0f : 127.0f;
+}
+QCOLL_HD float levels_asymmetric(CodeFormat f) { return f == CodeFormat::kInt4 ? 15.0f : 255.0f; }
+
+// OCP FP8 E4M3FN byte of v, round half to even, saturating to +-448 (Inf included: the
+// "satfinite" conversion), NaN to S.1111.111. Integer arithmetic on the float's bits only,
+// so CPU and GPU agree bit for bit, and branch-free selects the CPU loops vectorize (a
+// float operation under a select would stop that: it may trap).
+QCOLL_HD uint8_t fp8_e4m3_encode(float v) {
+  const uint32_t u = float_bits(v);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t a = u & 0x7fffffffu;
+  // Normal (|v| >= 2^-6): keep 3 mantissa bits, rounding the 20 dropped ones to even; a
+  // carry moves into the exponent. fp32 exponent E becomes E - 127 + 7.
+  const uint32_t normal = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+  // Subnormal (|v| < 2^-6): round(v * 2^9), v = mant * 2^(E - 150), by the same
+  // shift-and-round on the full significand (a shift past 24 bits rounds to 0); 8 * 2^-9
+  // rounds up into the smallest normal, whose byte is 0x08 as well.
+  const uint32_t e = a >> 23;
+  const uint32_t mant = (a & 0x7fffffu) | (e != 0 ? 0x800000u : 0u);
+  const uint32_t shift_raw = 141u - (e != 0 ? e : 1u);
+  const uint32_t shift = shift_raw < 31u ? shift_raw : 31u;
+  const uint32_t subnormal =
+      (mant + ((1u << (shift - 1u)) - 1u) + ((mant >> shift) & 1u)) >> shift;
+  uint32_t m = a < 0x3c800000u ? subnormal : normal;
+  m = a >= 0x43e00000u ? 0x7eu : m;  // |v| >= 448 (Inf too): 448
+  m = a > 0x7f800000u ? 0x7fu : m;   // NaN
+  return static_cast<uint8_t>(sign | m);
+}
+
+// The exact value of an E4M3FN byte; NaN bytes give the canonical NaN (0x7fffffff, what
+// GPU arithmetic yields), so CPU and CUDA store the same bits.
+QCOLL_HD float fp8_e4m3_decode(uint8_t b) {
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
+  const uint32_t e = (b >> 3) & 0xfu, m = b & 7u;
+  const float subnormal = mul(static_cast<float>(m), 0.001953125f);  // m * 2^-9, exact
+  const uint32_t mag = e != 0 ? (((e + 120u) << 23) | (m << 20)) : float_bits(subnormal);
+  return (b & 0x7fu) == 0x7fu ? bits_float(0x7fffffffu) : bits_float(sign | mag);
+}
+
+// Stochastic rounding onto the E4M3 grid: v = k * ulp + r with ulp the spacing at |v|
+// (2^-9 below 2^-6); rounds up with probability r / ulp, so E[code] = v. Powers of two
+// make every step exact except the add of u (as for the integer codes).
+QCOLL_HD uint8_t fp8_e4m3_encode_stochastic(float v, float u) {
+  const uint32_t a = float_bits(v) & 0x7fffffffu;
+  const uint32_t e = a < 0x3c800000u ? 0x3c800000u : (a & 0x7f800000u);  // 2^max(exp,-6)
+  const float ulp = bits_float(e - (3u << 23));
+  // |v| <= 448 after the scale division (up to its rounding); larger values saturate.
+  const float k = floor_f(add(div(a < 0x43e00000u ? v : 0.0f, ulp), u));
+  return a < 0x43e00000u ? fp8_e4m3_encode(mul(k, ulp)) : fp8_e4m3_encode(v);
+}
 
 // Statistics gathered over one group, on the float's bits so every reduction is an
 // integer max/min (exact, associative, vectorizable, the same on CPU and GPU):
@@ -175,54 +229,69 @@ QCOLL_HD GroupStats stats_combine(GroupStats a, const GroupStats& b) {
 
 QCOLL_HD bool stats_finite(const GroupStats& s) { return s.abs_bits < 0x7f800000u; }
 
-QCOLL_HD GroupParams group_params(const GroupStats& s, int bits, bool symmetric) {
+// Every format: a non-finite group gets a NaN scale (and zero codes, codes_are_zero), so
+// all of its elements decode to NaN.
+QCOLL_HD GroupParams group_params(const GroupStats& s, CodeFormat f, bool symmetric) {
   if (!stats_finite(s)) return GroupParams{quiet_nan(), symmetric ? 0.0f : quiet_nan()};
-  if (symmetric) return GroupParams{div(bits_float(s.abs_bits), qmax_symmetric(bits)), 0.0f};
+  if (symmetric) return GroupParams{div(bits_float(s.abs_bits), qmax_symmetric(f)), 0.0f};
   const float lo = key_to_float(s.lo_key);
   // A range that overflows fp32 cannot be coded; the group is marked non-finite.
   const float range = sub(key_to_float(s.hi_key), lo);
   if (!is_finite(range)) return GroupParams{quiet_nan(), quiet_nan()};
-  return GroupParams{div(range, levels_asymmetric(bits)), lo};
+  return GroupParams{div(range, levels_asymmetric(f)), lo};
 }
 
 // The integer code of x (as a float holding an integer), before packing, for a group whose
 // scale is > 0. `u` is the stochastic-rounding draw, ignored for nearest rounding.
 template <bool kSymmetric>
-QCOLL_HD float quantize_scaled(float x, const GroupParams& p, int bits, bool stochastic, float u) {
+QCOLL_HD float quantize_scaled(float x, const GroupParams& p, CodeFormat f, bool stochastic, float u) {
   const float v = kSymmetric ? div(x, p.scale) : div(sub(x, p.offset), p.scale);
   const float q = stochastic ? floor_f(add(v, u)) : round_half_even(v);
-  return kSymmetric ? clampf(q, -qmax_symmetric(bits), qmax_symmetric(bits))
-                    : clampf(q, 0.0f, levels_asymmetric(bits));
+  return kSymmetric ? clampf(q, -qmax_symmetric(f), qmax_symmetric(f))
+                    : clampf(q, 0.0f, levels_asymmetric(f));
 }
 
 // Any group: scale == 0 (all-equal group, or absmax so tiny that scale underflows) and a
 // NaN scale (non-finite group) both code to 0; the scale carries the information.
 QCOLL_HD bool codes_are_zero(const GroupParams& p) { return !(p.scale > 0.0f); }
 
-QCOLL_HD float quantize_value(float x, const GroupParams& p, int bits, bool symmetric,
-                              bool stochastic, float u) {
-  if (codes_are_zero(p)) return 0.0f;
-  return symmetric ? quantize_scaled<true>(x, p, bits, stochastic, u)
-                   : quantize_scaled<false>(x, p, bits, stochastic, u);
-}
-
-QCOLL_HD float dequantize_value(int32_t code, const GroupParams& p, bool symmetric) {
-  const float y = mul(static_cast<float>(code), p.scale);
-  return symmetric ? y : add(y, p.offset);
-}
-
 // ---- packing -----------------------------------------------------------------------
-// Symmetric codes are stored two's complement (int8 byte, or 4-bit nibble); asymmetric
-// codes are stored unsigned.
-QCOLL_HD uint8_t code_to_bits(float q, int bits) {
+// Symmetric integer codes are stored two's complement (int8 byte, or 4-bit nibble);
+// asymmetric codes are stored unsigned.
+QCOLL_HD uint8_t code_to_bits(float q, CodeFormat f) {
   const int32_t c = static_cast<int32_t>(q);
-  return bits == 8 ? static_cast<uint8_t>(c & 0xff) : static_cast<uint8_t>(c & 0x0f);
+  return f == CodeFormat::kInt4 ? static_cast<uint8_t>(c & 0x0f) : static_cast<uint8_t>(c & 0xff);
 }
 
-QCOLL_HD int32_t bits_to_code(uint8_t b, int bits, bool symmetric) {
-  if (bits == 8) return symmetric ? static_cast<int32_t>(static_cast<int8_t>(b)) : b;
+QCOLL_HD int32_t bits_to_code(uint8_t b, CodeFormat f, bool symmetric) {
+  if (f != CodeFormat::kInt4) return symmetric ? static_cast<int32_t>(static_cast<int8_t>(b)) : b;
   const int32_t n = b & 0x0f;
   return symmetric ? (n ^ 0x8) - 0x8 : n;  // sign-extend the nibble
+}
+
+// The code bits of x (the low code_bits(f) bits) for a group whose scale is > 0.
+template <bool kSymmetric>
+QCOLL_HD uint8_t encode_scaled(float x, const GroupParams& p, CodeFormat f, bool stochastic, float u) {
+  if (f == CodeFormat::kFp8E4M3) {  // symmetric only (validate)
+    const float v = div(x, p.scale);
+    return stochastic ? fp8_e4m3_encode_stochastic(v, u) : fp8_e4m3_encode(v);
+  }
+  return code_to_bits(quantize_scaled<kSymmetric>(x, p, f, stochastic, u), f);
+}
+
+QCOLL_HD uint8_t encode_value(float x, const GroupParams& p, CodeFormat f, bool symmetric,
+                              bool stochastic, float u) {
+  if (codes_are_zero(p)) return 0;
+  return symmetric ? encode_scaled<true>(x, p, f, stochastic, u)
+                   : encode_scaled<false>(x, p, f, stochastic, u);
+}
+
+// The value of code bits b (the low code_bits(f) bits) in a group with parameters p.
+QCOLL_HD float decode_value(uint8_t b, const GroupParams& p, CodeFormat f, bool symmetric) {
+  const float c = f == CodeFormat::kFp8E4M3 ? fp8_e4m3_decode(b)
+                                            : static_cast<float>(bits_to_code(b, f, symmetric));
+  const float y = mul(c, p.scale);
+  return symmetric ? y : add(y, p.offset);
 }
 
 // ---- dtype conversions (host side; device code uses the CUDA intrinsics, which round

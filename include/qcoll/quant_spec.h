@@ -1,18 +1,26 @@
 // What a block-quantized tensor is: the parameters of the code and the byte layout.
 //
 // Layout of a quantized run of n elements (x.reshape(-1) order):
-//   codes   : ceil(n * bits / 8) bytes. int8: one signed (symmetric) or unsigned
-//             (asymmetric) byte per element. int4: two codes per byte, element 2k in the
-//             low nibble, 2k+1 in the high nibble.
+//   codes   : ceil(n * code_bits(format) / 8) bytes. int8: one signed (symmetric) or
+//             unsigned (asymmetric) byte per element. int4: two codes per byte, element 2k
+//             in the low nibble, 2k+1 in the high nibble. fp8_e4m3: one OCP FP8 E4M3FN byte
+//             per element (symmetric only).
 //   scales  : one float32 per group of `group_size` consecutive elements (the last group
 //             may be shorter), ceil(n / group_size) of them.
 //   offsets : asymmetric only, one float32 per group (the group minimum).
-// Because group_size is a multiple of 8, every group starts on a whole byte for both
-// widths. A future fp8 (e4m3) code keeps this layout: one byte per element, one fp32 scale
-// per group; it gets its own CodeFormat value.
+// Because group_size is a multiple of 8, every group starts on a whole byte for every
+// format.
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+
+// The format helpers below are also evaluated in device code (the kernel templates).
+#if defined(__CUDACC__)
+#define QCOLL_SPEC_HD __host__ __device__
+#else
+#define QCOLL_SPEC_HD
+#endif
 
 namespace qcoll {
 
@@ -21,17 +29,55 @@ enum class Rounding : int32_t {
   kStochastic = 1,  // floor(v + u), u from a counter-based generator keyed by (seed, index)
 };
 
+// The code format is THE switch of every kernel, plan and binding: what a code is and how
+// many bits it takes come from here (and the per-value math in quant_math.h), never from a
+// bit count. The codes are part of the binding ABI (exported as _C.FORMATS); never renumber.
 enum class CodeFormat : int32_t {
   kInt8 = 0,
   kInt4 = 1,
-  // kFp8E4M3 = 2 is reserved for the fp8 variant.
+  kFp8E4M3 = 2,  // OCP FP8 E4M3FN: bias 7, max 448, no Inf, NaN = S.1111.111
+  // Wire chunks only: no codes, the values travel in their own dtype (Python: None).
+  kRaw = 3,
 };
+
+inline constexpr bool format_valid(int32_t code) { return code >= 0 && code <= 2; }
+inline constexpr bool wire_format_valid(int32_t code) { return code >= 0 && code <= 3; }
+
+// Bits per code (0 for raw chunks).
+QCOLL_SPEC_HD inline constexpr int32_t code_bits(CodeFormat f) {
+  return f == CodeFormat::kInt4 ? 4 : f == CodeFormat::kRaw ? 0 : 8;
+}
+
+// Codes are scaled floating-point values (no asymmetric variant), not integers.
+QCOLL_SPEC_HD inline constexpr bool format_is_float(CodeFormat f) { return f == CodeFormat::kFp8E4M3; }
+
+// The one dispatch from a format value to kernel code: calls
+// f(std::integral_constant<CodeFormat, format>) for a code format (callers validated it;
+// kRaw never reaches a code kernel).
+template <typename F>
+inline void with_format(CodeFormat format, F&& f) {
+  switch (format) {
+    case CodeFormat::kInt4: return f(std::integral_constant<CodeFormat, CodeFormat::kInt4>{});
+    case CodeFormat::kFp8E4M3: return f(std::integral_constant<CodeFormat, CodeFormat::kFp8E4M3>{});
+    default: return f(std::integral_constant<CodeFormat, CodeFormat::kInt8>{});
+  }
+}
+
+inline const char* format_name(CodeFormat f) {
+  switch (f) {
+    case CodeFormat::kInt8: return "int8";
+    case CodeFormat::kInt4: return "int4";
+    case CodeFormat::kFp8E4M3: return "fp8_e4m3";
+    case CodeFormat::kRaw: return "raw";
+  }
+  return "unknown";
+}
 
 inline constexpr int64_t kGroupSizeMultiple = 8;
 inline constexpr int64_t kMaxGroupSize = int64_t{1} << 24;
 
 struct QuantSpec {
-  int32_t bits = 8;  // 4 or 8
+  CodeFormat format = CodeFormat::kInt8;
   int64_t group_size = 256;
   bool symmetric = true;
   Rounding rounding = Rounding::kNearest;
@@ -42,8 +88,8 @@ inline constexpr int64_t num_groups(int64_t n, int64_t group_size) {
   return (n + group_size - 1) / group_size;
 }
 
-inline constexpr int64_t code_bytes(int64_t n, int32_t bits) {
-  return (n * bits + 7) / 8;
+QCOLL_SPEC_HD inline constexpr int64_t code_bytes(int64_t n, CodeFormat f) {
+  return (n * code_bits(f) + 7) / 8;
 }
 
 // Throws ArgumentError naming the offending field; used by every entry point.

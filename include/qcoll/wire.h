@@ -3,7 +3,7 @@
 // A chunk carries `len` consecutive elements of one destination: block-quantized codes
 // then their fp32 scales (symmetric, nearest rounding), each part padded to 16 bytes, so
 // payload and scales of a destination travel together and each hop is ONE all-to-all.
-// With bits == 0 the chunk carries the raw values in `raw_dtype` instead (no quantization).
+// With format kRaw the chunk carries the raw values in `raw_dtype` instead (no quantization).
 #pragma once
 
 #include <cstdint>
@@ -19,20 +19,20 @@ inline constexpr int64_t kWireAlign = 16;
 inline constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 struct WireFormat {
-  int32_t bits = 8;  // 4 or 8: block-quantized; 0: raw values
+  CodeFormat format = CodeFormat::kInt8;  // kRaw: raw values
   int64_t group_size = 256;
   DType raw_dtype = DType::kFloat32;  // element type of raw chunks
 
-  bool quantized() const { return bits != 0; }
+  bool quantized() const { return format != CodeFormat::kRaw; }
   // Byte offset of the scales inside a chunk of `len` elements.
-  int64_t scales_offset(int64_t len) const { return round_up(code_bytes(len, bits), kWireAlign); }
+  int64_t scales_offset(int64_t len) const { return round_up(code_bytes(len, format), kWireAlign); }
   int64_t chunk_bytes(int64_t len) const {
     if (!quantized()) return round_up(len * static_cast<int64_t>(dtype_size(raw_dtype)), kWireAlign);
     return scales_offset(len) + round_up(num_groups(len, group_size) * 4, kWireAlign);
   }
 };
 
-// Throws ArgumentError unless bits is 0, 4 or 8 and group_size is valid.
+// Throws ArgumentError unless format is a code format or kRaw and group_size is valid.
 void validate(const WireFormat& fmt);
 
 // Encode `count` slices of `input` into consecutive chunks (Algorithm 2 of ZeRO++ fused in).

@@ -55,7 +55,7 @@ inline constexpr uint32_t kChunkMagic = 0x71436f6c;  // "qCol"
 struct ChunkHeader {
   uint32_t magic = kChunkMagic;
   uint16_t exchange = 0;
-  uint8_t bits = 0;   // 0: raw values
+  uint8_t format = 0;  // CodeFormat (kRaw: raw values)
   uint8_t dtype = 0;  // raw / source element type
   uint32_t group_size = 0;
   uint32_t sequence = 0;  // the group's call number (same on every rank for one call)
@@ -71,7 +71,7 @@ inline ChunkHeader make_header(Exchange exchange, const WireFormat& fmt, int64_t
                                uint32_t sequence, int32_t stage, int32_t sender) {
   ChunkHeader h;
   h.exchange = static_cast<uint16_t>(exchange);
-  h.bits = static_cast<uint8_t>(fmt.bits);
+  h.format = static_cast<uint8_t>(fmt.format);
   h.dtype = static_cast<uint8_t>(fmt.raw_dtype);
   h.group_size = fmt.quantized() ? static_cast<uint32_t>(fmt.group_size) : 0;
   h.sequence = sequence;
@@ -94,10 +94,10 @@ inline std::string describe(const ChunkHeader& h) {
   }
   os << "{call " << h.sequence << ", " << exchange_name(h.exchange) << " stage " << h.stage
      << ", ";
-  if (h.bits) os << "int" << int{h.bits} << " codes of ";
-  else os << "raw ";
+  const bool codes = h.format != static_cast<uint8_t>(CodeFormat::kRaw);
+  os << format_name(static_cast<CodeFormat>(h.format)) << (codes ? " codes of " : " ");
   os << dtype_name(static_cast<DType>(h.dtype));
-  if (h.bits) os << " in groups of " << h.group_size;
+  if (codes) os << " in groups of " << h.group_size;
   os << ", " << h.len << " elements}";
   return os.str();
 }
@@ -127,8 +127,8 @@ struct CallHeader {
   uint32_t magic = kChunkMagic;
   uint8_t kind = 0;  // 1 all-gather, 2 reduce-scatter
   uint8_t dtype = 0;
-  uint8_t first_bits = 0;
-  uint8_t second_bits = 0;
+  uint8_t first_format = 0;   // CodeFormat
+  uint8_t second_format = 0;  // CodeFormat (kRaw without a second hop)
   uint8_t op = 0;
   uint8_t two_hop = 0;
   uint16_t stages = 0;
@@ -146,17 +146,19 @@ inline std::string describe(const CallHeader& h) {
     os << "no qcoll call (magic 0x" << std::hex << h.magic << std::dec << ")";
     return os.str();
   }
-  auto bits = [](uint8_t b) { return b ? "int" + std::to_string(b) : std::string("raw"); };
+  auto name = [](uint8_t f) { return std::string(format_name(static_cast<CodeFormat>(f))); };
+  const uint8_t raw = static_cast<uint8_t>(CodeFormat::kRaw);
   os << (h.kind == 1 ? "all-gather" : "reduce-scatter") << " call " << h.sequence << ", "
      << h.n << " " << dtype_name(static_cast<DType>(h.dtype)) << " elements per rank, ";
   if (h.kind == 1) {
-    os << bits(h.first_bits);
+    os << name(h.first_format);
   } else {
-    os << (h.two_hop ? "2-hop " : "1-hop ") << bits(h.first_bits);
-    if (h.two_hop) os << " then " << bits(h.second_bits);
-    os << ", op " << (h.op == 1 ? "avg" : "sum") << ", " << h.stages << " stage(s)";
+    os << (h.two_hop ? "2-hop " : "1-hop ") << name(h.first_format);
+    if (h.two_hop) os << " then " << name(h.second_format);
+    os << ", op " << reduce_op_name(static_cast<ReduceOp>(h.op)) << ", " << h.stages << " stage(s)";
   }
-  if (h.first_bits || h.second_bits) os << ", group_size " << h.group_size;
+  if (h.first_format != raw || (h.two_hop && h.second_format != raw))
+    os << ", group_size " << h.group_size;
   return os.str();
 }
 

@@ -1,12 +1,15 @@
-"""torch dtype <-> core dtype code (include/qcoll/dtype.h)."""
+"""torch dtype <-> core dtype code: the table is the core's (_C.DTYPES, include/qcoll/dtype.h)."""
 
 import torch
 
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+from . import _C
+
+# The floating dtypes the kernels quantize, reduce and convert.
+DTYPE_CODES = {getattr(torch, name): code for name, code in _C.DTYPES.items() if name != "bytes"}
 ALLOWED = "float32, float16 or bfloat16"
 # Unquantized all-gathers move any other element type as raw bytes (FSDP2 hands uint8 when
 # parameters of several dtypes share a group); never quantized or reduced.
-BYTES_CODE = 3
+BYTES_CODE = _C.DTYPES["bytes"]
 
 
 def dtype_code(dtype: torch.dtype, what: str) -> int:

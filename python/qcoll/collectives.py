@@ -18,22 +18,20 @@ from . import _C
 from ._calls import Work, new_traffic
 from ._device import device_args
 from ._dtypes import BYTES_CODE, DTYPE_CODES, dtype_code
+from ._formats import RAW_CODE, format_code
 from .group import Group, resolve_group
 from .quantization import check_group_size
 
-OPS = {"sum": 0, "avg": 1}
+OPS = dict(_C.OPS)  # name -> the core's ReduceOp code
 # Smallest pipeline stage (input bytes of one partition's slice) worth its exchanges;
 # measured, see include/qcoll/plan.h. Tests lower it to exercise many stages on small data.
 _MIN_STAGE_BYTES = _C.MIN_PIPELINE_STAGE_BYTES
 
 
 def _check_bits(bits, name: str) -> int:
-    """Wire bits: 4 or 8 quantize, None sends the input dtype (0 for the core)."""
-    if bits is None:
-        return 0
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (4, 8):
-        raise ValueError(f"{name} must be 4, 8 or None (no quantization), got {bits!r}")
-    return int(bits)
+    """A hop's code format: 8 / "int8", 4 / "int4" or "fp8_e4m3" quantize, None sends the
+    input dtype. Returns the core's format code (RAW_CODE for None)."""
+    return format_code(bits, name, allow_none=True)
 
 
 def _check_pair(output, input, expected_out: int, expected_in: int, what: str,
@@ -156,8 +154,8 @@ def _workspace(group: Group, nbytes: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=1024)
-def _allgather_plan(size, n, code, bits, group_size, headers):
-    return _C.plan_all_gather(size, n, code, bits, group_size, headers)
+def _allgather_plan(size, n, code, wire_format, group_size, headers):
+    return _C.plan_all_gather(size, n, code, wire_format, group_size, headers)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -167,24 +165,25 @@ def _reduce_scatter_plan(size, node_size, n, code, intra, inter, group_size, sta
                                   hierarchical, headers, min_stage_bytes)
 
 
-def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *, bits: Optional[int] = 8,
+def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *, bits=8,
                         group_size: Optional[int] = None, async_op: bool = False):
     """all_gather_into_tensor semantics: output = concatenation of every rank's input, in
-    rank order. bits=8/4 block-quantizes what travels (every rank, this one included,
-    dequantizes the same bytes, so all outputs are bit-identical); bits=None is the
-    transport's own all-gather in the input dtype, which may then be any dtype (a
-    non-float one travels as raw bytes, exactly). The input may be a view of this rank's
+    rank order. bits=8 / "int8", 4 / "int4" or "fp8_e4m3" block-quantizes what travels
+    (every rank, this one included, dequantizes the same bytes, so all outputs are
+    bit-identical); bits=None is the transport's own all-gather in the input dtype, which
+    may then be any dtype (a non-float one travels as raw bytes, exactly). The input may be a view of this rank's
     slot of the output (in place)."""
     size = _group_size(group)
     n = input.numel() if isinstance(input, torch.Tensor) else 0
-    wire_bits = _check_bits(bits, "bits")
-    code = _check_pair(output, input, size * n, n, "quantized_allgather", raw_bytes_ok=wire_bits == 0)
+    wire_format = _check_bits(bits, "bits")
+    code = _check_pair(output, input, size * n, n, "quantized_allgather",
+                       raw_bytes_ok=wire_format == RAW_CODE)
     if code == BYTES_CODE:
         n *= input.element_size()
     group_size = check_group_size(group_size)
     g = resolve_group(group)
-    _debug_check(g, ("quantized_allgather", n, output.numel(), str(input.dtype), bits, group_size))
-    plan = _allgather_plan(g.size, n, code, wire_bits, group_size, input.device.type == "cpu")
+    _debug_check(g, ("quantized_allgather", n, output.numel(), str(input.dtype), wire_format, group_size))
+    plan = _allgather_plan(g.size, n, code, wire_format, group_size, input.device.type == "cpu")
 
     def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
         _C.all_gather(plan, comm, code, input.data_ptr(), output.data_ptr(), workspace.data_ptr(),
@@ -194,7 +193,7 @@ def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *
 
 
 def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, op: str = "avg",
-                             intra_bits: Optional[int] = 8, inter_bits: Optional[int] = 4,
+                             intra_bits=8, inter_bits=4,
                              group_size: Optional[int] = None, pipeline_stages: Optional[int] = None,
                              hierarchical: Optional[bool] = None, async_op: bool = False):
     """reduce_scatter_tensor semantics: rank r's output = op over ranks of
@@ -204,7 +203,8 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     all-to-all at inter_bits), pipelined over pipeline_stages slices (fewer where a slice
     would be below the measured size where pipelining pays). One node, or
     hierarchical=False: one all-to-all at intra_bits (one node) or inter_bits (several).
-    bits=None sends the input dtype; with hierarchical=False and the one hop unquantized
+    Each bits argument: 8 / "int8", 4 / "int4", "fp8_e4m3", or None, which sends the input
+    dtype; with hierarchical=False and the one hop unquantized
     this is the transport's own reduce-scatter.
     """
     size = _group_size(group)
@@ -221,8 +221,8 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     if not (hierarchical is None or isinstance(hierarchical, bool)):
         raise ValueError(f"hierarchical must be True, False or None, got {hierarchical!r}")
     g = resolve_group(group)
-    _debug_check(g, ("quantized_reduce_scatter", n, input.numel(), str(input.dtype), op, intra_bits,
-                     inter_bits, group_size, stages, hierarchical))
+    _debug_check(g, ("quantized_reduce_scatter", n, input.numel(), str(input.dtype), op, intra,
+                     inter, group_size, stages, hierarchical))
     hier = -1 if hierarchical is None else int(hierarchical)
     plan = _reduce_scatter_plan(g.size, g.node_size, n, code, intra, inter, group_size, stages, hier,
                                 input.device.type == "cpu", _MIN_STAGE_BYTES)

@@ -123,13 +123,14 @@ class _Allocating:
 class QuantizedAllGather(_Allocating, AllGather):
     """FSDP2 parameter all-gather through qcoll.quantized_allgather (qwZ).
 
-    bits: 8 or 4 quantizes the parameters on the wire (every rank, this one included,
+    bits: 8 / "int8", 4 / "int4" or "fp8_e4m3" quantizes the parameters on the wire (every
+    rank, this one included,
     decodes the same bytes: the unsharded parameters are bit-identical across ranks);
     None: qcoll's unquantized path (the transport's own all-gather). FSDP2 hands uint8 when
     parameters of several dtypes share a group: those bytes are never quantized.
     """
 
-    def __init__(self, bits: Optional[int] = 8, group_size: Optional[int] = None,
+    def __init__(self, bits=8, group_size: Optional[int] = None,
                  node_size: Optional[int] = None):
         _require_api()
         _check_bits(bits, "bits")
@@ -166,11 +167,12 @@ class QuantizedReduceScatter(_Allocating, ReduceScatter):
     """FSDP2 gradient reduce-scatter through qcoll.quantized_reduce_scatter (qgZ).
 
     A group that spans nodes takes the 2-hop path: intra_bits inside the node, fp32 reduce,
-    inter_bits across nodes, pipelined over pipeline_stages slices. With both bits None the
+    inter_bits across nodes (each 8 / "int8", 4 / "int4", "fp8_e4m3" or None), pipelined
+    over pipeline_stages slices. With both bits None the
     call is qcoll's baseline: the transport's own reduce-scatter.
     """
 
-    def __init__(self, intra_bits: Optional[int] = 8, inter_bits: Optional[int] = 4,
+    def __init__(self, intra_bits=8, inter_bits=4,
                  pipeline_stages: int = 2, group_size: Optional[int] = None,
                  node_size: Optional[int] = None):
         _require_api()
@@ -214,11 +216,11 @@ def _fsdp_modules(module: torch.nn.Module) -> list:
     return found
 
 
-def use_qcoll(module: torch.nn.Module, *, weight_bits: Optional[int] = 8,
-              grad_intra_bits: Optional[int] = 8, grad_inter_bits: Optional[int] = 4,
+def use_qcoll(module: torch.nn.Module, *, weight_bits=8, grad_intra_bits=8, grad_inter_bits=4,
               grad_pipeline_stages: int = 2, node_size: Optional[int] = None) -> torch.nn.Module:
     """Set qcoll's all-gather and reduce-scatter on every FSDPModule in `module`'s tree
-    (FSDP2's setters act on one module only). None bits leave that collective unquantized.
+    (FSDP2's setters act on one module only). Bits: 8 / "int8", 4 / "int4", "fp8_e4m3", or
+    None, which leaves that collective unquantized.
     hpZ is FSDP2's own reshard_after_forward=<ranks per node>. Returns `module`."""
     all_gather = QuantizedAllGather(bits=weight_bits, node_size=node_size)
     reduce_scatter = QuantizedReduceScatter(intra_bits=grad_intra_bits, inter_bits=grad_inter_bits,

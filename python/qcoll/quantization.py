@@ -2,7 +2,8 @@
 
 Groups are consecutive runs of ``group_size`` elements of ``x.reshape(-1)``; each group
 gets one float32 scale (and, asymmetric, one float32 offset = the group minimum).
-The byte layout is described in include/qcoll/quant_spec.h.
+Code formats: int8, int4 and fp8_e4m3 (_formats.py). The byte layout is described in
+include/qcoll/quant_spec.h.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import torch
 from . import _C
 from ._device import device_args
 from ._dtypes import dtype_code
+from ._formats import FORMATS, format_name
 
 # Chosen from the error/overhead table in README.md ("Choosing the default group size").
 DEFAULT_GROUP_SIZE = 256
 GROUP_SIZE_MULTIPLE = _C.GROUP_SIZE_MULTIPLE
 MAX_GROUP_SIZE = _C.MAX_GROUP_SIZE
-ROUNDING_MODES = {"nearest": 0, "stochastic": 1}
+ROUNDING_MODES = dict(_C.ROUNDINGS)  # name -> the core's Rounding code
 _SEED_LIMIT = 1 << 64
 
 
@@ -28,10 +30,13 @@ _SEED_LIMIT = 1 << 64
 class QuantizedTensor:
     """A block-quantized tensor.
 
-    data:     uint8 codes, ceil(numel * bits / 8) bytes (int4: element 2k in the low nibble).
+    data:     uint8 codes, ceil(numel * bits / 8) bytes (int4: element 2k in the low nibble;
+              fp8_e4m3: one OCP E4M3FN byte per element).
     scales:   float32, one per group.
     offsets:  float32 group minima (asymmetric), or None (symmetric).
     shape, dtype: the original tensor's.
+    format:   the code format, "int8", "int4" or "fp8_e4m3" (8 and 4 are read as int8 and
+              int4); ``bits`` is the width of one code.
     """
 
     data: torch.Tensor
@@ -39,13 +44,22 @@ class QuantizedTensor:
     offsets: Optional[torch.Tensor]
     shape: torch.Size
     dtype: torch.dtype
-    bits: int
+    format: str
     group_size: int
 
     def __post_init__(self):
-        # A hand-built tensor may give the shape as a tuple or list.
+        # A hand-built tensor may give the shape as a tuple or list, and the format as 8 or 4.
         if not isinstance(self.shape, torch.Size):
             object.__setattr__(self, "shape", torch.Size(self.shape))
+        try:
+            object.__setattr__(self, "format", format_name(self.format))
+        except ValueError:
+            pass  # reported by dequantize (_check_quantized), naming the field
+
+    @property
+    def bits(self) -> int:
+        """Bits per code."""
+        return FORMATS[self.format]["bits"]
 
     @property
     def symmetric(self) -> bool:
@@ -70,14 +84,8 @@ def num_groups(numel: int, group_size: int) -> int:
     return -(-numel // group_size)
 
 
-def code_bytes(numel: int, bits: int) -> int:
-    return -(-numel * bits // 8)
-
-
-def check_bits(bits, name: str = "bits") -> int:
-    if isinstance(bits, bool) or bits not in (4, 8):
-        raise ValueError(f"{name} must be 4 or 8, got {bits!r}")
-    return int(bits)
+def code_bytes(numel: int, fmt: str) -> int:
+    return -(-numel * FORMATS[fmt]["bits"] // 8)
 
 
 def check_group_size(group_size, name: str = "group_size") -> int:
@@ -115,7 +123,7 @@ def _check_seed(seed, stochastic: bool) -> int:
 def quantize(
     x: torch.Tensor,
     *,
-    bits: int = 8,
+    bits=8,
     group_size: Optional[int] = None,
     symmetric: bool = True,
     rounding: str = "nearest",
@@ -124,11 +132,16 @@ def quantize(
 ) -> QuantizedTensor:
     """Block-quantize ``x`` (float32/float16/bfloat16, CPU or CUDA, any shape and strides).
 
-    Symmetric: scale = absmax / (2**(bits-1) - 1), codes in [-qmax, qmax].
-    Asymmetric: scale = (max - min) / (2**bits - 1), offset = min, codes in [0, 2**bits - 1].
-    Either way |x - dequantize(quantize(x))| <= scale / 2 per element (up to fp32 rounding).
-    An all-zero group gets scale 0; a group holding NaN or Inf gets a NaN scale, so all of
-    its elements dequantize to NaN. ``rounding="stochastic"`` is unbiased and reproducible:
+    ``bits``: the code format, 8 / "int8" (default), 4 / "int4" or "fp8_e4m3".
+    Integer symmetric: scale = absmax / (2**(bits-1) - 1), codes in [-qmax, qmax].
+    Integer asymmetric: scale = (max - min) / (2**bits - 1), offset = min, codes in
+    [0, 2**bits - 1]. Either way |x - dequantize(quantize(x))| <= scale / 2 per element
+    (up to fp32 rounding).
+    fp8_e4m3 (symmetric only): scale = absmax / 448, codes = OCP E4M3FN bytes of x / scale
+    rounded to nearest even (saturating at +-448), so |x - dequantize(quantize(x))| <=
+    |x| / 16 + scale / 1024 (half an E4M3 ulp; the second term is the subnormal spacing).
+    An all-zero group gets scale 0; a group holding NaN or Inf gets a NaN scale and zero
+    codes, so all of its elements dequantize to NaN (every format). ``rounding="stochastic"`` is unbiased and reproducible:
     element i's draw depends only on (seed, i), on CPU and CUDA alike.
 
     ``out``: a QuantizedTensor whose buffers are reused (same numel, bits, group_size,
@@ -138,10 +151,12 @@ def quantize(
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     code = dtype_code(x.dtype, "x")
-    bits = check_bits(bits)
+    fmt = format_name(bits, "bits")
     group_size = check_group_size(group_size)
     if not isinstance(symmetric, bool):
         raise TypeError(f"symmetric must be a bool, got {symmetric!r}")
+    if not symmetric and not FORMATS[fmt]["asymmetric"]:
+        raise ValueError(f"bits={bits!r}: {fmt} codes are symmetric only (symmetric=True)")
     rounding_code = _check_rounding(rounding)
     seed = _check_seed(seed, stochastic=rounding_code == ROUNDING_MODES["stochastic"])
     kind, index, stream = device_args(x, "x")
@@ -150,27 +165,27 @@ def quantize(
     n = flat.numel()
     if out is None:
         groups = num_groups(n, group_size)
-        data = torch.empty(code_bytes(n, bits), dtype=torch.uint8, device=x.device)
+        data = torch.empty(code_bytes(n, fmt), dtype=torch.uint8, device=x.device)
         scales = torch.empty(groups, dtype=torch.float32, device=x.device)
         offsets = None if symmetric else torch.empty(groups, dtype=torch.float32, device=x.device)
     else:
-        _check_out_buffers(out, n, bits, group_size, symmetric, x.device)
+        _check_out_buffers(out, n, fmt, group_size, symmetric, x.device)
         data, scales, offsets = out.data, out.scales, out.offsets
     _C.quantize(
-        flat.data_ptr(), code, n, bits, group_size, symmetric, rounding_code, seed, 0,
+        flat.data_ptr(), code, n, FORMATS[fmt]["code"], group_size, symmetric, rounding_code, seed, 0,
         data.data_ptr(), scales.data_ptr(), 0 if offsets is None else offsets.data_ptr(),
         kind, index, stream,
     )
-    return QuantizedTensor(data, scales, offsets, x.shape, x.dtype, bits, group_size)
+    return QuantizedTensor(data, scales, offsets, x.shape, x.dtype, fmt, group_size)
 
 
-def _check_out_buffers(out, n: int, bits: int, group_size: int, symmetric: bool, device) -> None:
+def _check_out_buffers(out, n: int, fmt: str, group_size: int, symmetric: bool, device) -> None:
     _check_quantized(out, "out")
-    want = (n, bits, group_size, symmetric, device)
-    got = (out.numel, out.bits, out.group_size, out.symmetric, out.device)
+    want = (n, fmt, group_size, symmetric, device)
+    got = (out.numel, out.format, out.group_size, out.symmetric, out.device)
     if got != want:
         raise ValueError(
-            "out must match the call: (numel, bits, group_size, symmetric, device) = "
+            "out must match the call: (numel, format, group_size, symmetric, device) = "
             f"{want}, got {got}"
         )
 
@@ -179,10 +194,12 @@ def _check_quantized(q: QuantizedTensor, name: str = "q") -> None:
     """A hand-built QuantizedTensor must describe buffers large enough for the kernel."""
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"{name} must be a qcoll.QuantizedTensor, got {type(q).__name__}")
-    check_bits(q.bits, f"{name}.bits")
+    fmt = format_name(q.format, f"{name}.format")
     check_group_size(q.group_size, f"{name}.group_size")
+    if q.offsets is not None and not FORMATS[fmt]["asymmetric"]:
+        raise ValueError(f"{name}.offsets must be None: {fmt} codes are symmetric only")
     n = q.numel
-    expect = {f"{name}.data": (q.data, torch.uint8, code_bytes(n, q.bits)),
+    expect = {f"{name}.data": (q.data, torch.uint8, code_bytes(n, fmt)),
               f"{name}.scales": (q.scales, torch.float32, num_groups(n, q.group_size))}
     if q.offsets is not None:
         expect[f"{name}.offsets"] = (q.offsets, torch.float32, num_groups(n, q.group_size))
@@ -226,6 +243,7 @@ def dequantize(
     kind, index, stream = device_args(out, "out")
     _C.dequantize(
         q.data.data_ptr(), q.scales.data_ptr(), 0 if q.offsets is None else q.offsets.data_ptr(),
-        q.numel, q.bits, q.group_size, q.symmetric, out.data_ptr(), code, kind, index, stream,
+        q.numel, FORMATS[q.format]["code"], q.group_size, q.symmetric, out.data_ptr(), code, kind,
+        index, stream,
     )
     return out

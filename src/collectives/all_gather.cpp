@@ -16,7 +16,7 @@ void all_gather(const AllGatherPlan& plan, const CollectiveBuffers& b, DType dty
     CallHeader call;
     call.kind = 1;
     call.dtype = static_cast<uint8_t>(dtype);
-    call.first_bits = static_cast<uint8_t>(plan.fmt.bits);
+    call.first_format = static_cast<uint8_t>(plan.fmt.format);
     call.group_size = plan.fmt.quantized() ? static_cast<uint32_t>(plan.fmt.group_size) : 0;
     call.sequence = sequence;
     call.n = plan.n;

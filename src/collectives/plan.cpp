@@ -7,9 +7,9 @@ namespace qcoll {
 
 namespace {
 
-WireFormat wire(int32_t bits, int64_t group_size, DType dtype) {
+WireFormat wire(CodeFormat format, int64_t group_size, DType dtype) {
   WireFormat f;
-  f.bits = bits;
+  f.format = format;
   f.group_size = group_size;
   f.raw_dtype = dtype;
   validate(f);
@@ -19,7 +19,7 @@ WireFormat wire(int32_t bits, int64_t group_size, DType dtype) {
 }  // namespace
 
 ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t n, DType dtype,
-                                      int32_t intra_bits, int32_t inter_bits, int64_t group_size,
+                                      CodeFormat intra, CodeFormat inter, int64_t group_size,
                                       int32_t stages, int32_t hierarchical, bool headers,
                                       int64_t min_stage_bytes) {
   QCOLL_ARG_CHECK(world >= 1 && node_size >= 1 && world % node_size == 0, "node_size ",
@@ -44,23 +44,23 @@ ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t 
   p.header = headers ? kHeaderBytes : 0;
   p.call_check = headers ? (world + 1) * kCallHeaderBytes : 0;
   if (p.two_hop) {
-    p.first = wire(intra_bits, group_size, dtype);
-    p.second = wire(inter_bits, group_size, dtype);
+    p.first = wire(intra, group_size, dtype);
+    p.second = wire(inter, group_size, dtype);
   } else {
     // One hop: it crosses nodes whenever the group spans several.
-    p.first = wire(p.nodes > 1 ? inter_bits : intra_bits, group_size, dtype);
+    p.first = wire(p.nodes > 1 ? inter : intra, group_size, dtype);
     p.second = p.first;
   }
   return p;
 }
 
-AllGatherPlan plan_all_gather(int32_t world, int64_t n, DType dtype, int32_t bits,
+AllGatherPlan plan_all_gather(int32_t world, int64_t n, DType dtype, CodeFormat format,
                               int64_t group_size, bool headers) {
   QCOLL_ARG_CHECK(n >= 0, "input numel must be >= 0, got ", n);
   AllGatherPlan p;
   p.world = world;
   p.n = n;
-  p.fmt = wire(bits, group_size, dtype);
+  p.fmt = wire(format, group_size, dtype);
   p.header = headers && p.fmt.quantized() ? kHeaderBytes : 0;
   p.call_check = headers ? (world + 1) * kCallHeaderBytes : 0;
   return p;

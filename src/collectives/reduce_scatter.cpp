@@ -169,8 +169,8 @@ void reduce_scatter(const ReduceScatterPlan& p, const CollectiveBuffers& b, DTyp
     CallHeader call;
     call.kind = 2;
     call.dtype = static_cast<uint8_t>(dtype);
-    call.first_bits = static_cast<uint8_t>(p.first.bits);
-    call.second_bits = static_cast<uint8_t>(p.two_hop ? p.second.bits : 0);
+    call.first_format = static_cast<uint8_t>(p.first.format);
+    call.second_format = static_cast<uint8_t>(p.two_hop ? p.second.format : CodeFormat::kRaw);
     call.op = static_cast<uint8_t>(op);
     call.two_hop = p.two_hop;
     call.stages = static_cast<uint16_t>(p.stages);

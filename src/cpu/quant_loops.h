@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 
 #if defined(_OPENMP)
@@ -64,13 +65,11 @@ QCOLL_INLINE void accumulate_stats(const float* x, int64_t m, bool symmetric, ma
 
 // Nearest-rounded codes of m values straight into packed bytes; branch-free so it
 // vectorizes (the group's scale is > 0 here).
-template <bool kSym, int kBits>
+template <bool kSym, CodeFormat kF>
 QCOLL_INLINE void code_nearest(const float* x, int64_t m, const math::GroupParams& p, uint8_t* out) {
   const math::GroupParams params = p;  // a local copy: byte stores cannot alias it
-  auto code = [params](float v) {
-    return math::code_to_bits(math::quantize_scaled<kSym>(v, params, kBits, false, 0.0f), kBits);
-  };
-  if constexpr (kBits == 8) {
+  auto code = [params](float v) { return math::encode_scaled<kSym>(v, params, kF, false, 0.0f); };
+  if constexpr (code_bits(kF) == 8) {
     for (int64_t i = 0; i < m; ++i) out[i] = code(x[i]);
     return;
   }
@@ -81,19 +80,47 @@ QCOLL_INLINE void code_nearest(const float* x, int64_t m, const math::GroupParam
 }
 
 // Values of m codes into fp32 (the output buffer itself when the output is fp32).
-QCOLL_INLINE void decode_chunk(const uint8_t* in, int64_t m, const math::GroupParams& p, int bits, bool sym,
-                  float* out) {
-  if (bits == 8) {
-    for (int64_t i = 0; i < m; ++i)
-      out[i] = math::dequantize_value(math::bits_to_code(in[i], 8, sym), p, sym);
+// The value of every fp8_e4m3 byte (math::fp8_e4m3_decode, computed once), so the CPU
+// decode loops are a load and a multiply: the bit assembly does not vectorize.
+inline const float* fp8_e4m3_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = math::fp8_e4m3_decode(static_cast<uint8_t>(b));
+    return t;
+  }();
+  return table.data();
+}
+
+// value(b): math::decode_value(b, p, kF, sym), with fp8 (symmetric only) through the table.
+template <CodeFormat kF>
+QCOLL_INLINE auto code_values(const math::GroupParams& p, bool sym) {
+  if constexpr (kF == CodeFormat::kFp8E4M3) {
+    const float* table = fp8_e4m3_values();
+    return [p, table](uint8_t b) { return math::mul(table[b], p.scale); };
+  } else {
+    return [p, sym](uint8_t b) { return math::decode_value(b, p, kF, sym); };
+  }
+}
+
+template <CodeFormat kF>
+QCOLL_INLINE void decode_chunk_as(const uint8_t* in, int64_t m, const math::GroupParams& p, bool sym,
+                                  float* out) {
+  const auto value = code_values<kF>(p, sym);
+  if constexpr (code_bits(kF) == 8) {
+    for (int64_t i = 0; i < m; ++i) out[i] = value(in[i]);
     return;
   }
   const int64_t pairs = m / 2;
   for (int64_t i = 0; i < pairs; ++i) {
-    out[2 * i] = math::dequantize_value(math::bits_to_code(in[i], 4, sym), p, sym);
-    out[2 * i + 1] = math::dequantize_value(math::bits_to_code(in[i] >> 4, 4, sym), p, sym);
+    out[2 * i] = value(in[i]);
+    out[2 * i + 1] = value(static_cast<uint8_t>(in[i] >> 4));
   }
-  if (m & 1) out[m - 1] = math::dequantize_value(math::bits_to_code(in[pairs], 4, sym), p, sym);
+  if (m & 1) out[m - 1] = value(in[pairs]);
+}
+
+QCOLL_INLINE void decode_chunk(const uint8_t* in, int64_t m, const math::GroupParams& p,
+                               CodeFormat format, bool sym, float* out) {
+  with_format(format, [&](auto f) { decode_chunk_as<decltype(f)::value>(in, m, p, sym, out); });
 }
 
 // Runs body(i0, i1) over contiguous ranges of [0, items), one per OpenMP thread.

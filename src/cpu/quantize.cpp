@@ -21,9 +21,8 @@ void code_stochastic(const float* x, int64_t m, const math::GroupParams& p, cons
                      uint64_t key, uint64_t index0, uint8_t* out) {
   for (int64_t i = 0; i < m; ++i) {
     const float u = math::uniform01(key, index0 + static_cast<uint64_t>(i));
-    const uint8_t c =
-        math::code_to_bits(math::quantize_value(x[i], p, spec.bits, spec.symmetric, true, u), spec.bits);
-    if (spec.bits == 8) out[i] = c;
+    const uint8_t c = math::encode_value(x[i], p, spec.format, spec.symmetric, true, u);
+    if (code_bits(spec.format) == 8) out[i] = c;
     else out[i / 2] = (i & 1) ? static_cast<uint8_t>(out[i / 2] | (c << 4)) : c;
   }
 }
@@ -31,13 +30,15 @@ void code_stochastic(const float* x, int64_t m, const math::GroupParams& p, cons
 QCOLL_INLINE void code_chunk(const float* x, int64_t m, const math::GroupParams& p, const QuantSpec& spec,
                 uint64_t key, uint64_t index0, uint8_t* out) {
   if (math::codes_are_zero(p)) {
-    std::memset(out, 0, static_cast<size_t>(code_bytes(m, spec.bits)));
+    std::memset(out, 0, static_cast<size_t>(code_bytes(m, spec.format)));
   } else if (spec.rounding == Rounding::kStochastic) {
     code_stochastic(x, m, p, spec, key, index0, out);
-  } else if (spec.symmetric) {
-    spec.bits == 8 ? code_nearest<true, 8>(x, m, p, out) : code_nearest<true, 4>(x, m, p, out);
   } else {
-    spec.bits == 8 ? code_nearest<false, 8>(x, m, p, out) : code_nearest<false, 4>(x, m, p, out);
+    with_format(spec.format, [&](auto f) {
+      constexpr CodeFormat kF = decltype(f)::value;
+      if (spec.symmetric) code_nearest<true, kF>(x, m, p, out);
+      else if constexpr (!format_is_float(kF)) code_nearest<false, kF>(x, m, p, out);
+    });
   }
 }
 
@@ -54,7 +55,7 @@ QCOLL_INLINE void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key)
     const int64_t m = std::min(kChunk, len - c);
     accumulate_stats(as_float(src + c * esize, a.dtype, m, buf), m, spec.symmetric, stats);
   }
-  const math::GroupParams p = math::group_params(stats, spec.bits, spec.symmetric);
+  const math::GroupParams p = math::group_params(stats, spec.format, spec.symmetric);
   a.scales[g] = p.scale;
   if (!spec.symmetric) a.offsets[g] = p.offset;
 
@@ -62,7 +63,7 @@ QCOLL_INLINE void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key)
     const int64_t m = std::min(kChunk, len - c);
     code_chunk(as_float(src + c * esize, a.dtype, m, buf), m, p, spec, key,
                a.index_base + static_cast<uint64_t>(begin + c),
-               a.codes + code_bytes(begin + c, spec.bits));
+               a.codes + code_bytes(begin + c, spec.format));
   }
 }
 
@@ -76,16 +77,16 @@ QCOLL_INLINE void dequantize_group(const DequantizeArgs& a, int64_t g) {
 
   for (int64_t c = 0; c < len; c += kChunk) {
     const int64_t m = std::min(kChunk, len - c);
-    const uint8_t* in = a.codes + code_bytes(begin + c, a.bits);
+    const uint8_t* in = a.codes + code_bytes(begin + c, a.format);
     if (a.dtype == DType::kFloat32) {
       float* out = reinterpret_cast<float*>(dst + c * esize);
-      decode_chunk(in, m, p, a.bits, a.symmetric, out);
+      decode_chunk(in, m, p, a.format, a.symmetric, out);
       // A non-finite group's NaN scale (or offset) makes every value NaN: store CUDA's
       // canonical NaN, as store_from_float does for the other dtypes.
       if (!math::is_finite(p.scale) || !math::is_finite(p.offset))
         store_from_float(out, DType::kFloat32, m, out);
     } else {
-      decode_chunk(in, m, p, a.bits, a.symmetric, buf);
+      decode_chunk(in, m, p, a.format, a.symmetric, buf);
       store_from_float(buf, a.dtype, m, dst + c * esize);
     }
   }

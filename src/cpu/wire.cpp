@@ -46,7 +46,7 @@ QCOLL_INLINE void zero_padding(uint8_t* chunk, const WireFormat& fmt, int64_t le
     std::memset(chunk + data, 0, static_cast<size_t>(end - data));
     return;
   }
-  const int64_t codes = code_bytes(len, fmt.bits);
+  const int64_t codes = code_bytes(len, fmt.format);
   const int64_t scales = fmt.scales_offset(len);
   std::memset(chunk + codes, 0, static_cast<size_t>(scales - codes));
   const int64_t scales_end = scales + 4 * num_groups(len, fmt.group_size);
@@ -54,24 +54,19 @@ QCOLL_INLINE void zero_padding(uint8_t* chunk, const WireFormat& fmt, int64_t le
 }
 
 // ---- codes ----------------------------------------------------------------------------------
-QCOLL_INLINE void code_symmetric(const float* x, int64_t m, const math::GroupParams& p, int bits,
-                                 uint8_t* out) {
+QCOLL_INLINE void code_symmetric(const float* x, int64_t m, const math::GroupParams& p,
+                                 CodeFormat format, uint8_t* out) {
   if (math::codes_are_zero(p))
-    std::memset(out, 0, static_cast<size_t>(code_bytes(m, bits)));
-  else if (bits == 8)
-    code_nearest<true, 8>(x, m, p, out);
+    std::memset(out, 0, static_cast<size_t>(code_bytes(m, format)));
   else
-    code_nearest<true, 4>(x, m, p, out);
+    with_format(format, [&](auto f) { code_nearest<true, decltype(f)::value>(x, m, p, out); });
 }
 
 // acc[i] += the value of code i (symmetric), in fp32 with an unfused multiply and add.
-template <int kBits>
+template <CodeFormat kF>
 QCOLL_INLINE void decode_add(const uint8_t* in, int64_t m, float scale, float* acc) {
-  const math::GroupParams p{scale, 0.0f};
-  auto value = [p](uint8_t b) {
-    return math::dequantize_value(math::bits_to_code(b, kBits, true), p, true);
-  };
-  if constexpr (kBits == 8) {
+  const auto value = code_values<kF>(math::GroupParams{scale, 0.0f}, /*sym=*/true);
+  if constexpr (code_bits(kF) == 8) {
     for (int64_t i = 0; i < m; ++i) acc[i] = math::add(acc[i], value(in[i]));
     return;
   }
@@ -98,16 +93,16 @@ QCOLL_INLINE void encode_group(uint8_t* chunk, const WireFormat& fmt, int64_t le
     x = fill(begin + c, k, buf);
     accumulate_stats(x, k, /*symmetric=*/true, stats);
   }
-  const math::GroupParams p = math::group_params(stats, fmt.bits, /*symmetric=*/true);
+  const math::GroupParams p = math::group_params(stats, fmt.format, /*symmetric=*/true);
   store_scale(chunk, fmt, len, g, p.scale);
-  uint8_t* codes = chunk + code_bytes(begin, fmt.bits);
+  uint8_t* codes = chunk + code_bytes(begin, fmt.format);
   if (m <= kBlock || math::codes_are_zero(p)) {  // x holds the whole group, or is unused
-    code_symmetric(x, m, p, fmt.bits, codes);
+    code_symmetric(x, m, p, fmt.format, codes);
     return;
   }
   for (int64_t c = 0; c < m; c += kBlock) {
     const int64_t k = std::min(kBlock, m - c);
-    code_symmetric(fill(begin + c, k, buf), k, p, fmt.bits, codes + code_bytes(c, fmt.bits));
+    code_symmetric(fill(begin + c, k, buf), k, p, fmt.format, codes + code_bytes(c, fmt.format));
   }
 }
 
@@ -189,13 +184,13 @@ struct SumFill {
           const int64_t ig = i / fmt.group_size;
           const int64_t j = std::min(e + k, (ig + 1) * fmt.group_size);
           const float scale = load_scale(chunk, fmt, r.len, ig);
-          const uint8_t* codes = chunk + code_bytes(i, fmt.bits);
+          const uint8_t* codes = chunk + code_bytes(i, fmt.format);
           if (s == 0)
-            decode_chunk(codes, j - i, math::GroupParams{scale, 0.0f}, fmt.bits, true, acc + (i - e));
-          else if (fmt.bits == 8)
-            decode_add<8>(codes, j - i, scale, acc + (i - e));
+            decode_chunk(codes, j - i, math::GroupParams{scale, 0.0f}, fmt.format, true, acc + (i - e));
           else
-            decode_add<4>(codes, j - i, scale, acc + (i - e));
+            with_format(fmt.format, [&](auto f) {
+              decode_add<decltype(f)::value>(codes, j - i, scale, acc + (i - e));
+            });
           i = j;
         }
       } else {

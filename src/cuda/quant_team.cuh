@@ -4,7 +4,7 @@
 // statistics over a team of lanes (shuffles, plus shared memory past one warp).
 //
 // The unit of work is a packet of 8 consecutive elements: one or two 16-byte loads, one
-// 8-byte (int8) or 4-byte (int4) code store. group_size is a multiple of 8, so packets
+// 8-byte (int8, fp8) or 4-byte (int4) code store. group_size is a multiple of 8, so packets
 // never straddle groups and only a run's last packet can be partial.
 #pragma once
 
@@ -153,47 +153,50 @@ __device__ __forceinline__ uint64_t load_codes(const uint8_t* src, int count, bo
 }
 
 // ---- per-packet arithmetic (quant_math.h), with the uniform flags as constants ----------
-template <int Bits, bool Symmetric, bool Stochastic>
+template <CodeFormat F, bool Symmetric, bool Stochastic>
 __device__ __forceinline__ uint64_t code_packet_as(const Packet& p, const GroupParams& params,
                                                    uint64_t key, uint64_t index0) {
+  constexpr int Bits = code_bits(F);
   uint64_t codes = 0;
 #pragma unroll
   for (int j = 0; j < kPacket; ++j) {
     const float u = Stochastic ? math::uniform01(key, index0 + j) : 0.0f;
-    const float q = math::quantize_value(p.x[j], params, Bits, Symmetric, Stochastic, u);
-    codes |= static_cast<uint64_t>(math::code_to_bits(q, Bits)) << (Bits * j);
+    const uint8_t b = math::encode_value(p.x[j], params, F, Symmetric, Stochastic, u);
+    codes |= static_cast<uint64_t>(b) << (Bits * j);
   }
   return codes;
 }
 
-// index0: the stochastic-rounding index of the packet's first element.
-template <int Bits>
+// index0: the stochastic-rounding index of the packet's first element. Float formats are
+// symmetric only (validated), so their asymmetric variants are never instantiated.
+template <CodeFormat F>
 __device__ __forceinline__ uint64_t code_packet(const Packet& p, const GroupParams& params,
                                                 bool symmetric, bool stochastic, uint64_t key,
                                                 uint64_t index0) {
-  if (symmetric)
-    return stochastic ? code_packet_as<Bits, true, true>(p, params, key, index0)
-                      : code_packet_as<Bits, true, false>(p, params, key, index0);
-  return stochastic ? code_packet_as<Bits, false, true>(p, params, key, index0)
-                    : code_packet_as<Bits, false, false>(p, params, key, index0);
+  if (format_is_float(F) || symmetric)
+    return stochastic ? code_packet_as<F, true, true>(p, params, key, index0)
+                      : code_packet_as<F, true, false>(p, params, key, index0);
+  return stochastic ? code_packet_as<F, false, true>(p, params, key, index0)
+                    : code_packet_as<F, false, false>(p, params, key, index0);
 }
 
-template <int Bits, bool Symmetric>
+template <CodeFormat F, bool Symmetric>
 __device__ __forceinline__ Packet decode_packet_as(uint64_t codes, const GroupParams& params) {
+  constexpr int Bits = code_bits(F);
   Packet p;
 #pragma unroll
   for (int j = 0; j < kPacket; ++j) {
     const uint8_t b = static_cast<uint8_t>(codes >> (Bits * j));
-    p.x[j] = math::dequantize_value(math::bits_to_code(b, Bits, Symmetric), params, Symmetric);
+    p.x[j] = math::decode_value(b, params, F, Symmetric);
   }
   return p;
 }
 
-template <int Bits>
+template <CodeFormat F>
 __device__ __forceinline__ Packet decode_packet(uint64_t codes, const GroupParams& params,
                                                 bool symmetric) {
-  return symmetric ? decode_packet_as<Bits, true>(codes, params)
-                   : decode_packet_as<Bits, false>(codes, params);
+  return format_is_float(F) || symmetric ? decode_packet_as<F, true>(codes, params)
+                                         : decode_packet_as<F, false>(codes, params);
 }
 
 __device__ __forceinline__ void add_packet(GroupStats& s, const Packet& p) {
@@ -245,19 +248,16 @@ inline int team_lanes(int64_t group_size) {
   return lanes;
 }
 
-// Calls f(element type tag, std::integral_constant<int, bits>).
+// Calls f(element type tag, std::integral_constant<CodeFormat, format>).
 template <typename F>
-void dispatch(DType dtype, int bits, F&& f) {
-  const auto with_bits = [&](auto elem) {
-    if (bits == 8)
-      f(elem, std::integral_constant<int, 8>{});
-    else
-      f(elem, std::integral_constant<int, 4>{});
+void dispatch(DType dtype, CodeFormat format, F&& f) {
+  const auto with_code = [&](auto elem) {
+    with_format(format, [&](auto code) { f(elem, code); });
   };
   switch (dtype) {
-    case DType::kFloat32: return with_bits(Fp32{});
-    case DType::kFloat16: return with_bits(Fp16{});
-    case DType::kBFloat16: return with_bits(Bf16{});
+    case DType::kFloat32: return with_code(Fp32{});
+    case DType::kFloat16: return with_code(Fp16{});
+    case DType::kBFloat16: return with_code(Bf16{});
     case DType::kBytes: break;  // never reaches a kernel (checked in kernels.cpp / wire.cpp)
   }
 }

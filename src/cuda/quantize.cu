@@ -39,7 +39,7 @@ struct QuantParams {
   uint64_t index_base;
   uint64_t key;  // math::rng_key(seed)
   int lanes;     // fused pass: threads per team, a power of two dividing kThreads
-  int bits;
+  CodeFormat format;
   bool symmetric;
   bool stochastic;
   bool vec_in;   // input 16-byte aligned
@@ -118,13 +118,14 @@ __device__ __forceinline__ GroupStats gathered_stats(const QuantParams& q, int64
 __global__ void __launch_bounds__(kThreads) finalize_kernel(const QuantParams q, int64_t groups) {
   for (int64_t g = int64_t{blockIdx.x} * kThreads + threadIdx.x; g < groups;
        g += int64_t{gridDim.x} * kThreads)
-    write_params(q, g, math::group_params(gathered_stats(q, g), q.bits, q.symmetric));
+    write_params(q, g, math::group_params(gathered_stats(q, g), q.format, q.symmetric));
 }
 
 // At least 3 blocks per SM: enough loads in flight, and the register cache (32 floats per
 // lane) still fits without spills.
-template <typename E, int Bits, Pass P>
+template <typename E, CodeFormat F, Pass P>
 __global__ void __launch_bounds__(kThreads, 3) quantize_kernel(const QuantParams q) {
+  constexpr int Bits = code_bits(F);
   __shared__ GroupStats partial[kThreads / 32];
   const int lanes = P == Pass::kFused ? q.lanes : kThreads;
   const int teams = kThreads / lanes;
@@ -155,7 +156,7 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_kernel(const QuantParams
     } else {
       GroupParams params{0.0f, 0.0f};
       if constexpr (P == Pass::kFused) {
-        params = math::group_params(team_reduce(s, lanes, partial), Bits, q.symmetric);
+        params = math::group_params(team_reduce(s, lanes, partial), F, q.symmetric);
         if (leader) write_params(q, unit.group, params);
       } else if (unit.begin < unit.end) {
         params = read_params(q, unit.group);
@@ -164,8 +165,8 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_kernel(const QuantParams
       for (int j = 0; j < kPacketsPerLane; ++j) {
         const int64_t e = unit.begin + int64_t{kPacket} * (lane + j * lanes);
         if (e < unit.end) {
-          const uint64_t codes = code_packet<Bits>(cache[j], params, q.symmetric, q.stochastic,
-                                                   q.key, q.index_base + e);
+          const uint64_t codes = code_packet<F>(cache[j], params, q.symmetric, q.stochastic,
+                                                q.key, q.index_base + e);
           store_codes<Bits>(q.codes + e * Bits / 8, codes, packet_count(unit.end - e),
                             q.vec_out);
         }
@@ -187,8 +188,9 @@ struct DequantParams {
   bool vec_out;  // output 16-byte aligned
 };
 
-template <typename E, int Bits>
+template <typename E, CodeFormat F>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantParams d) {
+  constexpr int Bits = code_bits(F);
   auto* output = static_cast<typename E::Bits*>(d.output);
   const int64_t packets = (d.n + kPacket - 1) / kPacket;
   for (int64_t k = int64_t{blockIdx.x} * kThreads + threadIdx.x; k < packets;
@@ -198,12 +200,13 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantParam
     const int64_t g = e / d.group_size;
     const GroupParams params{d.scales[g], d.symmetric ? 0.0f : d.offsets[g]};
     const uint64_t codes = load_codes<Bits>(d.codes + e * Bits / 8, count, d.vec_in);
-    store_packet<E>(output + e, count, d.vec_out, decode_packet<Bits>(codes, params, d.symmetric));
+    store_packet<E>(output + e, count, d.vec_out, decode_packet<F>(codes, params, d.symmetric));
   }
 }
 
-template <typename E, int Bits>
+template <typename E, CodeFormat F>
 void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
+  constexpr int Bits = code_bits(F);
   const QuantSpec& spec = a.spec;
   QuantParams q{};
   q.input = a.input;
@@ -214,7 +217,7 @@ void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   q.group_size = spec.group_size;
   q.index_base = a.index_base;
   q.key = math::rng_key(spec.seed);
-  q.bits = Bits;
+  q.format = F;
   q.symmetric = spec.symmetric;
   q.stochastic = spec.rounding == Rounding::kStochastic;
   q.vec_in = aligned(a.input, 16);
@@ -224,7 +227,7 @@ void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   if (spec.group_size <= kChunk) {
     q.lanes = team_lanes(spec.group_size);
     q.units = groups;
-    launch<quantize_kernel<E, Bits, Pass::kFused>>(grid_for(groups, kThreads / q.lanes), kThreads,
+    launch<quantize_kernel<E, F, Pass::kFused>>(grid_for(groups, kThreads / q.lanes), kThreads,
                                                     stream, q);
     return;
   }
@@ -234,13 +237,14 @@ void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   const size_t param_bytes = static_cast<size_t>(groups) * sizeof(float);
   QCOLL_CUDA_CHECK(cudaMemsetAsync(a.scales, 0, param_bytes, stream));
   if (!spec.symmetric) QCOLL_CUDA_CHECK(cudaMemsetAsync(a.offsets, 0, param_bytes, stream));
-  launch<quantize_kernel<E, Bits, Pass::kStats>>(grid_for(q.units, 1), kThreads, stream, q);
+  launch<quantize_kernel<E, F, Pass::kStats>>(grid_for(q.units, 1), kThreads, stream, q);
   launch<finalize_kernel>(grid_for(groups, kThreads), kThreads, stream, q, groups);
-  launch<quantize_kernel<E, Bits, Pass::kCode>>(grid_for(q.units, 1), kThreads, stream, q);
+  launch<quantize_kernel<E, F, Pass::kCode>>(grid_for(q.units, 1), kThreads, stream, q);
 }
 
-template <typename E, int Bits>
+template <typename E, CodeFormat F>
 void launch_dequantize(const DequantizeArgs& a, cudaStream_t stream) {
+  constexpr int Bits = code_bits(F);
   DequantParams d{};
   d.codes = a.codes;
   d.scales = a.scales;
@@ -252,7 +256,7 @@ void launch_dequantize(const DequantizeArgs& a, cudaStream_t stream) {
   d.vec_in = aligned(a.codes, Bits);
   d.vec_out = aligned(a.output, 16);
   const int64_t packets = (a.n + kPacket - 1) / kPacket;
-  launch<dequantize_kernel<E, Bits>>(grid_for(packets, kThreads), kThreads, stream, d);
+  launch<dequantize_kernel<E, F>>(grid_for(packets, kThreads), kThreads, stream, d);
 }
 
 }  // namespace
@@ -260,16 +264,16 @@ void launch_dequantize(const DequantizeArgs& a, cudaStream_t stream) {
 void quantize(const QuantizeArgs& args) {
   DeviceGuard guard(args.device.index);
   const auto stream = static_cast<cudaStream_t>(args.device.stream);
-  dispatch(args.dtype, args.spec.bits, [&](auto elem, auto bits) {
-    launch_quantize<decltype(elem), decltype(bits)::value>(args, stream);
+  dispatch(args.dtype, args.spec.format, [&](auto elem, auto format) {
+    launch_quantize<decltype(elem), decltype(format)::value>(args, stream);
   });
 }
 
 void dequantize(const DequantizeArgs& args) {
   DeviceGuard guard(args.device.index);
   const auto stream = static_cast<cudaStream_t>(args.device.stream);
-  dispatch(args.dtype, args.bits, [&](auto elem, auto bits) {
-    launch_dequantize<decltype(elem), decltype(bits)::value>(args, stream);
+  dispatch(args.dtype, args.format, [&](auto elem, auto format) {
+    launch_dequantize<decltype(elem), decltype(format)::value>(args, stream);
   });
 }
 

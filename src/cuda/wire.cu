@@ -110,9 +110,10 @@ __device__ __forceinline__ void accumulate(Packet& acc, const Packet& d, bool fi
   for (int k = 0; k < kPacket; ++k) acc.x[k] = math::add(acc.x[k], d.x[k]);
 }
 
-template <int InBits>
+template <CodeFormat InF>
 struct QuantSumSource {  // reduce of quantized chunks
   static constexpr int kMinBlocks = 2;
+  static constexpr int InBits = code_bits(InF);
   SumLayout l;
   int64_t scales_offset;  // of the input chunks
   int64_t group_size;     // of the input chunks
@@ -134,7 +135,7 @@ struct QuantSumSource {  // reduce of quantized chunks
         if (e < end) {
           const uint64_t codes =
               load_codes<InBits>(chunk + e * InBits / 8, packet_count(end - e), vec);
-          accumulate(acc[j], decode_packet<InBits>(codes, p, /*symmetric=*/true), s == 0);
+          accumulate(acc[j], decode_packet<InF>(codes, p, /*symmetric=*/true), s == 0);
         }
       }
     }
@@ -183,7 +184,7 @@ struct QuantChunks {  // `items` chunks of `len` elements at base + item * strid
   int64_t chunks_per_group;  // split path: kChunk pieces per group
   int64_t units;             // team work items: items * groups (* chunks_per_group)
   int lanes;                 // fused path
-  int bits;
+  CodeFormat format;
   bool vec;  // every chunk's codes aligned to a packet's code bytes
 
   __device__ __forceinline__ uint8_t* chunk(int64_t item) const { return base + item * stride; }
@@ -223,8 +224,9 @@ __device__ __forceinline__ void zero_quant_padding(const QuantChunks& c, int64_t
 
 // The quantize team kernel (src/cuda/quantize.cu), symmetric and nearest, with the values
 // from `src` and the codes and scales into chunks.
-template <int Bits, Pass P, typename Src>
+template <CodeFormat F, Pass P, typename Src>
 __global__ void __launch_bounds__(kThreads, Src::kMinBlocks) team_kernel(const Src src, const QuantChunks c) {
+  constexpr int Bits = code_bits(F);
   __shared__ GroupStats partial[kThreads / 32];
   const int lanes = P == Pass::kFused ? c.lanes : kThreads;
   const int teams = kThreads / lanes;
@@ -254,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks) team_kernel(const S
     } else {
       GroupParams params{0.0f, 0.0f};
       if constexpr (P == Pass::kFused) {
-        params = math::group_params(team_reduce(s, lanes, partial), Bits, /*symmetric=*/true);
+        params = math::group_params(team_reduce(s, lanes, partial), F, /*symmetric=*/true);
         if (leader) *c.scale(unit.item, unit.group) = params.scale;
       } else if (unit.begin < unit.end) {
         params.scale = *c.scale(unit.item, unit.group);
@@ -264,8 +266,8 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks) team_kernel(const S
       for (int j = 0; j < kPacketsPerLane; ++j) {
         const int64_t e = e0 + j * step;
         if (e < unit.end) {
-          const uint64_t codes = code_packet<Bits>(cache[j], params, /*symmetric=*/true,
-                                                   /*stochastic=*/false, 0, 0);
+          const uint64_t codes = code_packet<F>(cache[j], params, /*symmetric=*/true,
+                                                /*stochastic=*/false, 0, 0);
           store_codes<Bits>(chunk + e * Bits / 8, codes, packet_count(unit.end - e), c.vec);
         }
       }
@@ -294,16 +296,16 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const QuantChunks c)
     float* slot = c.scale(item, i - item * c.groups);
     GroupStats s = math::stats_identity();
     s.abs_bits = *reinterpret_cast<const unsigned int*>(slot);  // symmetric: only abs_bits
-    *slot = math::group_params(s, c.bits, /*symmetric=*/true).scale;
+    *slot = math::group_params(s, c.format, /*symmetric=*/true).scale;
   }
 }
 
-template <int Bits, typename Src>
+template <CodeFormat F, typename Src>
 void launch_team(const Src& src, QuantChunks c, cudaStream_t stream) {
   if (c.group_size <= kChunk) {
     c.lanes = team_lanes(c.group_size);
     c.units = c.items * c.groups;
-    launch<team_kernel<Bits, Pass::kFused, Src>>(grid_for(c.units, kThreads / c.lanes), kThreads,
+    launch<team_kernel<F, Pass::kFused, Src>>(grid_for(c.units, kThreads / c.lanes), kThreads,
                                                   stream, src, c);
     return;
   }
@@ -312,9 +314,9 @@ void launch_team(const Src& src, QuantChunks c, cudaStream_t stream) {
   c.units = c.items * c.groups * c.chunks_per_group;
   launch<prepare_kernel>(grid_for(c.items * (c.chunk_bytes - c.code_bytes), kThreads), kThreads,
                          stream, c);
-  launch<team_kernel<Bits, Pass::kStats, Src>>(grid_for(c.units, 1), kThreads, stream, src, c);
+  launch<team_kernel<F, Pass::kStats, Src>>(grid_for(c.units, 1), kThreads, stream, src, c);
   launch<finalize_kernel>(grid_for(c.items * c.groups, kThreads), kThreads, stream, c);
-  launch<team_kernel<Bits, Pass::kCode, Src>>(grid_for(c.units, 1), kThreads, stream, src, c);
+  launch<team_kernel<F, Pass::kCode, Src>>(grid_for(c.units, 1), kThreads, stream, src, c);
 }
 
 // ---- raw outputs ------------------------------------------------------------------------------
@@ -386,12 +388,13 @@ QuantChunks quant_chunks(uint8_t* base, int64_t stride, int64_t items, const Wir
   c.len = len;
   c.group_size = fmt.group_size;
   c.groups = num_groups(len, fmt.group_size);
-  c.code_bytes = code_bytes(len, fmt.bits);
+  c.code_bytes = code_bytes(len, fmt.format);
   c.scales_offset = fmt.scales_offset(len);
   c.chunk_bytes = fmt.chunk_bytes(len);
   c.items = items;
-  c.bits = fmt.bits;
-  c.vec = runs_aligned(base, stride, items, static_cast<uintptr_t>(fmt.bits));
+  c.format = fmt.format;
+  // A packet's codes take code_bits bytes (8 codes).
+  c.vec = runs_aligned(base, stride, items, static_cast<uintptr_t>(code_bits(fmt.format)));
   return c;
 }
 
@@ -416,14 +419,6 @@ void with_dtype(DType dtype, F&& f) {
     case DType::kBFloat16: return f(Bf16{});
     case DType::kBytes: break;  // never reaches a kernel (checked in wire.cpp)
   }
-}
-
-template <typename F>
-void with_bits(int bits, F&& f) {
-  if (bits == 8)
-    f(std::integral_constant<int, 8>{});
-  else
-    f(std::integral_constant<int, 4>{});
 }
 
 // Runs a source through the kernel that the output format asks for.
@@ -453,7 +448,7 @@ void encode_chunks(const EncodeArgs& a) {
               (a.slice_begin * esize) % 16 == 0;
     if (a.fmt.quantized()) {
       const QuantChunks c = quant_chunks(a.output, a.chunk_stride, a.count, a.fmt, a.len);
-      with_bits(a.fmt.bits, [&](auto bits) { launch_team<decltype(bits)::value>(src, c, stream); });
+      with_format(a.fmt.format, [&](auto f) { launch_team<decltype(f)::value>(src, c, stream); });
       return;
     }
     const RawRuns r = raw_runs(a.output, a.chunk_stride, a.count, a.fmt.raw_dtype, a.len,
@@ -487,15 +482,15 @@ void reduce_chunks(const ReduceArgs& a) {
       return launch_elementwise(src, r, a.out_fmt.raw_dtype, stream);
     }
     const QuantChunks c = quant_chunks(a.out_wire, a.out_chunk_stride, a.outputs, a.out_fmt, a.len);
-    with_bits(a.out_fmt.bits, [&](auto bits) { launch_team<decltype(bits)::value, Src>(src, c, stream); });
+    with_format(a.out_fmt.format, [&](auto f) { launch_team<decltype(f)::value, Src>(src, c, stream); });
   };
 
   if (a.in_fmt.quantized()) {
-    const int64_t in_bits = a.in_fmt.bits;
+    const int64_t in_bits = code_bits(a.in_fmt.format);  // a packet's code bytes
     const bool vec = runs_aligned(a.input, a.source_stride, a.sources, in_bits) &&
                      runs_aligned(a.input, a.output_in_stride, a.outputs, in_bits);
-    with_bits(a.in_fmt.bits, [&](auto bits) {
-      QuantSumSource<decltype(bits)::value> src{};
+    with_format(a.in_fmt.format, [&](auto f) {
+      QuantSumSource<decltype(f)::value> src{};
       src.l = layout;
       src.scales_offset = a.in_fmt.scales_offset(a.len);
       src.group_size = a.in_fmt.group_size;

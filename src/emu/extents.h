@@ -28,7 +28,7 @@ inline Buffer buffer(const void* p, size_t bytes, const char* name) {
 inline std::vector<Buffer> extents(const QuantizeArgs& a) {
   const size_t groups = static_cast<size_t>(num_groups(a.n, a.spec.group_size));
   std::vector<Buffer> b{buffer(a.input, a.n * esize(a.dtype), "input"),
-                        buffer(a.codes, code_bytes(a.n, a.spec.bits), "codes"),
+                        buffer(a.codes, code_bytes(a.n, a.spec.format), "codes"),
                         buffer(a.scales, groups * 4, "scales")};
   if (!a.spec.symmetric) b.push_back(buffer(a.offsets, groups * 4, "offsets"));
   return b;
@@ -36,7 +36,7 @@ inline std::vector<Buffer> extents(const QuantizeArgs& a) {
 
 inline std::vector<Buffer> extents(const DequantizeArgs& a) {
   const size_t groups = static_cast<size_t>(num_groups(a.n, a.group_size));
-  std::vector<Buffer> b{buffer(a.codes, code_bytes(a.n, a.bits), "codes"),
+  std::vector<Buffer> b{buffer(a.codes, code_bytes(a.n, a.format), "codes"),
                         buffer(a.scales, groups * 4, "scales"),
                         buffer(a.output, a.n * esize(a.dtype), "output")};
   if (!a.symmetric) b.push_back(buffer(a.offsets, groups * 4, "offsets"));

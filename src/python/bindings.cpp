@@ -12,6 +12,7 @@
 #include "qcoll/error.h"
 #include "qcoll/kernels.h"
 #include "qcoll/nccl_api.h"
+#include "qcoll/quant_math.h"
 #include "qcoll/wire.h"
 #include "qcoll/wire_header.h"
 #include "kernel_bindings.h"
@@ -97,23 +98,24 @@ void bind_collectives(py::module_& m) {
       .def_readonly("requested_stages", &qcoll::ReduceScatterPlan::requested_stages)
       .def_readonly("header", &qcoll::ReduceScatterPlan::header)
       .def_readonly("slice", &qcoll::ReduceScatterPlan::slice)
-      .def_property_readonly("first_bits", [](const qcoll::ReduceScatterPlan& p) { return p.first.bits; })
-      .def_property_readonly("second_bits", [](const qcoll::ReduceScatterPlan& p) { return p.second.bits; })
+      .def_property_readonly("first_format", [](const qcoll::ReduceScatterPlan& p) { return static_cast<int>(p.first.format); })
+      .def_property_readonly("second_format", [](const qcoll::ReduceScatterPlan& p) { return static_cast<int>(p.second.format); })
       .def("first_chunk", &qcoll::ReduceScatterPlan::first_chunk)
       .def("second_chunk", &qcoll::ReduceScatterPlan::second_chunk)
       .def("slice_len", &qcoll::ReduceScatterPlan::slice_len)
       .def_property_readonly("workspace_bytes", &qcoll::ReduceScatterPlan::workspace_bytes);
   m.def(
       "plan_reduce_scatter",
-      [](int world, int node_size, int64_t n, int dtype, int intra_bits, int inter_bits,
+      [](int world, int node_size, int64_t n, int dtype, int intra_format, int inter_format,
          int64_t group_size, int stages, int hierarchical, bool headers, int64_t min_stage_bytes) {
         return qcoll::plan_reduce_scatter(world, node_size, n, static_cast<qcoll::DType>(dtype),
-                                          intra_bits, inter_bits, group_size, stages, hierarchical,
-                                          headers, min_stage_bytes);
+                                          static_cast<qcoll::CodeFormat>(intra_format),
+                                          static_cast<qcoll::CodeFormat>(inter_format), group_size,
+                                          stages, hierarchical, headers, min_stage_bytes);
       },
       py::arg("world"),
-        py::arg("node_size"), py::arg("n"), py::arg("dtype"), py::arg("intra_bits"),
-        py::arg("inter_bits"), py::arg("group_size"), py::arg("stages"), py::arg("hierarchical"),
+        py::arg("node_size"), py::arg("n"), py::arg("dtype"), py::arg("intra_format"),
+        py::arg("inter_format"), py::arg("group_size"), py::arg("stages"), py::arg("hierarchical"),
         py::arg("headers") = false, py::arg("min_stage_bytes") = qcoll::kMinPipelineStageBytes);
   py::class_<qcoll::AllGatherPlan>(m, "AllGatherPlan")
       .def_property_readonly("chunk", &qcoll::AllGatherPlan::chunk)
@@ -121,12 +123,12 @@ void bind_collectives(py::module_& m) {
       .def_property_readonly("workspace_bytes", &qcoll::AllGatherPlan::workspace_bytes);
   m.def(
       "plan_all_gather",
-      [](int world, int64_t n, int dtype, int bits, int64_t group_size, bool headers) {
-        return qcoll::plan_all_gather(world, n, static_cast<qcoll::DType>(dtype), bits, group_size,
-                                      headers);
+      [](int world, int64_t n, int dtype, int format, int64_t group_size, bool headers) {
+        return qcoll::plan_all_gather(world, n, static_cast<qcoll::DType>(dtype),
+                                      static_cast<qcoll::CodeFormat>(format), group_size, headers);
       },
       py::arg("world"), py::arg("n"),
-        py::arg("dtype"), py::arg("bits"), py::arg("group_size"), py::arg("headers") = false);
+        py::arg("dtype"), py::arg("format"), py::arg("group_size"), py::arg("headers") = false);
 
   // One call's own byte counts (a Work's traffic); added to the process-wide counters
   // when the call ends, failed or not.
@@ -178,6 +180,44 @@ void bind_collectives(py::module_& m) {
   });
 }
 
+// The code tables, defined once in the core and read by Python (qcoll._dtypes,
+// qcoll.formats, collectives): name -> code, and per format what a code is.
+py::dict dtype_table() {
+  py::dict d;
+  for (auto t : {qcoll::DType::kFloat32, qcoll::DType::kFloat16, qcoll::DType::kBFloat16,
+                 qcoll::DType::kBytes})
+    d[qcoll::dtype_name(t)] = static_cast<int>(t);
+  return d;
+}
+
+py::dict op_table() {
+  py::dict d;
+  for (auto op : {qcoll::ReduceOp::kSum, qcoll::ReduceOp::kAvg})
+    d[qcoll::reduce_op_name(op)] = static_cast<int>(op);
+  return d;
+}
+
+py::dict format_table() {
+  py::dict d;
+  for (auto f : {qcoll::CodeFormat::kInt8, qcoll::CodeFormat::kInt4, qcoll::CodeFormat::kFp8E4M3}) {
+    py::dict info;
+    info["code"] = static_cast<int>(f);
+    info["bits"] = qcoll::code_bits(f);
+    info["float"] = qcoll::format_is_float(f);
+    info["qmax"] = qcoll::math::qmax_symmetric(f);
+    info["asymmetric"] = !qcoll::format_is_float(f);
+    d[qcoll::format_name(f)] = info;
+  }
+  return d;
+}
+
+py::dict rounding_table() {
+  py::dict d;
+  d["nearest"] = static_cast<int>(qcoll::Rounding::kNearest);
+  d["stochastic"] = static_cast<int>(qcoll::Rounding::kStochastic);
+  return d;
+}
+
 py::dict build_info() {
   py::dict d;
   d["version"] = QCOLL_VERSION;
@@ -203,4 +243,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_GROUP_SIZE") = qcoll::kMaxGroupSize;
   m.attr("MIN_PIPELINE_STAGE_BYTES") = qcoll::kMinPipelineStageBytes;
   m.attr("WIRE_HEADER_BYTES") = qcoll::kHeaderBytes;
+  m.attr("DTYPES") = dtype_table();
+  m.attr("OPS") = op_table();
+  m.attr("FORMATS") = format_table();
+  m.attr("RAW_FORMAT") = static_cast<int>(qcoll::CodeFormat::kRaw);
+  m.attr("ROUNDINGS") = rounding_table();
 }

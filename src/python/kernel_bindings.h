@@ -29,9 +29,10 @@ inline Device device(int kind, int index, uintptr_t stream) {
   return d;
 }
 
-inline WireFormat wire_format(int bits, int64_t group_size, int raw_dtype) {
+// Formats travel as their codes (_C.FORMATS, RAW_FORMAT); the core validates them.
+inline WireFormat wire_format(int format, int64_t group_size, int raw_dtype) {
   WireFormat f;
-  f.bits = bits;
+  f.format = static_cast<CodeFormat>(format);
   f.group_size = group_size;
   f.raw_dtype = static_cast<DType>(raw_dtype);
   return f;
@@ -49,14 +50,14 @@ template <typename Run>
 void bind_kernels(py::module_& m, Run run, bool release_gil) {
   m.def(
       "quantize",
-      [=](uintptr_t input, int dtype, int64_t n, int bits, int64_t group_size, bool symmetric,
+      [=](uintptr_t input, int dtype, int64_t n, int format, int64_t group_size, bool symmetric,
           int rounding, uint64_t seed, uint64_t index_base, uintptr_t codes, uintptr_t scales,
           uintptr_t offsets, int device_kind, int device_index, uintptr_t stream) {
         QuantizeArgs a;
         a.input = ptr(input);
         a.dtype = static_cast<DType>(dtype);
         a.n = n;
-        a.spec.bits = bits;
+        a.spec.format = static_cast<CodeFormat>(format);
         a.spec.group_size = group_size;
         a.spec.symmetric = symmetric;
         a.spec.rounding = static_cast<Rounding>(rounding);
@@ -69,13 +70,13 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         MaybeReleaseGil g(release_gil);
         run(a, [](const QuantizeArgs& x) { quantize(x); });
       },
-      py::arg("input"), py::arg("dtype"), py::arg("n"), py::arg("bits"), py::arg("group_size"),
+      py::arg("input"), py::arg("dtype"), py::arg("n"), py::arg("format"), py::arg("group_size"),
       py::arg("symmetric"), py::arg("rounding"), py::arg("seed"), py::arg("index_base"),
       py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("device_kind"),
       py::arg("device_index"), py::arg("stream"));
   m.def(
       "dequantize",
-      [=](uintptr_t codes, uintptr_t scales, uintptr_t offsets, int64_t n, int bits,
+      [=](uintptr_t codes, uintptr_t scales, uintptr_t offsets, int64_t n, int format,
           int64_t group_size, bool symmetric, uintptr_t output, int dtype, int device_kind,
           int device_index, uintptr_t stream) {
         DequantizeArgs a;
@@ -83,7 +84,7 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         a.scales = static_cast<const float*>(ptr(scales));
         a.offsets = static_cast<const float*>(ptr(offsets));
         a.n = n;
-        a.bits = bits;
+        a.format = static_cast<CodeFormat>(format);
         a.group_size = group_size;
         a.symmetric = symmetric;
         a.output = ptr(output);
@@ -92,21 +93,21 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         MaybeReleaseGil g(release_gil);
         run(a, [](const DequantizeArgs& x) { dequantize(x); });
       },
-      py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("n"), py::arg("bits"),
+      py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("n"), py::arg("format"),
       py::arg("group_size"), py::arg("symmetric"), py::arg("output"), py::arg("dtype"),
       py::arg("device_kind"), py::arg("device_index"), py::arg("stream"));
   m.def(
       "wire_chunk_bytes",
-      [](int bits, int64_t group_size, int raw_dtype, int64_t len) {
-        const WireFormat f = wire_format(bits, group_size, raw_dtype);
+      [](int format, int64_t group_size, int raw_dtype, int64_t len) {
+        const WireFormat f = wire_format(format, group_size, raw_dtype);
         validate(f);
         return f.chunk_bytes(len);
       },
-      py::arg("bits"), py::arg("group_size"), py::arg("raw_dtype"), py::arg("len"));
+      py::arg("format"), py::arg("group_size"), py::arg("raw_dtype"), py::arg("len"));
   m.def(
       "encode_chunks",
       [=](uintptr_t input, int dtype, int64_t partition_elems, int64_t slice_begin, int64_t len,
-          int count, int node_size, int nodes, int bits, int64_t group_size, uintptr_t output,
+          int count, int node_size, int nodes, int format, int64_t group_size, uintptr_t output,
           int64_t chunk_stride, int device_kind, int device_index, uintptr_t stream) {
         EncodeArgs a;
         a.input = ptr(input);
@@ -117,7 +118,7 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         a.count = count;
         a.node_size = node_size;
         a.nodes = nodes;
-        a.fmt = wire_format(bits, group_size, dtype);
+        a.fmt = wire_format(format, group_size, dtype);
         a.output = static_cast<uint8_t*>(ptr(output));
         a.chunk_stride = chunk_stride;
         a.device = device(device_kind, device_index, stream);
@@ -125,19 +126,19 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         run(a, [](const EncodeArgs& x) { encode_chunks(x); });
       },
       py::arg("input"), py::arg("dtype"), py::arg("partition_elems"), py::arg("slice_begin"),
-      py::arg("len"), py::arg("count"), py::arg("node_size"), py::arg("nodes"), py::arg("bits"),
+      py::arg("len"), py::arg("count"), py::arg("node_size"), py::arg("nodes"), py::arg("format"),
       py::arg("group_size"), py::arg("output"), py::arg("chunk_stride"),
       py::arg("device_kind"), py::arg("device_index"), py::arg("stream"));
   m.def(
       "reduce_chunks",
-      [=](uintptr_t input, int in_bits, int64_t group_size, int raw_dtype, int64_t len,
+      [=](uintptr_t input, int in_format, int64_t group_size, int raw_dtype, int64_t len,
           int sources, int64_t source_stride, int outputs, int64_t output_in_stride,
-          float divisor, uintptr_t out_wire, int out_bits, int64_t out_chunk_stride,
+          float divisor, uintptr_t out_wire, int out_format, int64_t out_chunk_stride,
           uintptr_t out_values, int out_dtype, int64_t out_values_stride, int device_kind,
           int device_index, uintptr_t stream) {
         ReduceArgs a;
         a.input = static_cast<const uint8_t*>(ptr(input));
-        a.in_fmt = wire_format(in_bits, group_size, raw_dtype);
+        a.in_fmt = wire_format(in_format, group_size, raw_dtype);
         a.len = len;
         a.sources = sources;
         a.source_stride = source_stride;
@@ -145,7 +146,7 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         a.output_in_stride = output_in_stride;
         a.divisor = divisor;
         a.out_wire = static_cast<uint8_t*>(ptr(out_wire));
-        a.out_fmt = wire_format(out_bits, group_size, raw_dtype);
+        a.out_fmt = wire_format(out_format, group_size, raw_dtype);
         a.out_chunk_stride = out_chunk_stride;
         a.out_values = ptr(out_values);
         a.out_dtype = static_cast<DType>(out_dtype);
@@ -154,9 +155,9 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         MaybeReleaseGil g(release_gil);
         run(a, [](const ReduceArgs& x) { reduce_chunks(x); });
       },
-      py::arg("input"), py::arg("in_bits"), py::arg("group_size"), py::arg("raw_dtype"),
+      py::arg("input"), py::arg("in_format"), py::arg("group_size"), py::arg("raw_dtype"),
       py::arg("len"), py::arg("sources"), py::arg("source_stride"), py::arg("outputs"),
-      py::arg("output_in_stride"), py::arg("divisor"), py::arg("out_wire"), py::arg("out_bits"),
+      py::arg("output_in_stride"), py::arg("divisor"), py::arg("out_wire"), py::arg("out_format"),
       py::arg("out_chunk_stride"), py::arg("out_values"), py::arg("out_dtype"),
       py::arg("out_values_stride"), py::arg("device_kind"), py::arg("device_index"),
       py::arg("stream"));

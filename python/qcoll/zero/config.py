@@ -8,6 +8,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
+from .._formats import format_name
 from ..quantization import check_group_size
 
 _COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -18,7 +19,8 @@ class ZeroConfig:
     """Every technique can be switched on and off independently; one that is off does what
     plain ZeRO-3 does (the transport's own collective in the compute dtype).
 
-    qwz: forward all-gather of weights block-quantized at ``weight_bits``.
+    qwz: forward all-gather of weights block-quantized at ``weight_bits``. Every bits field
+        takes 8 / "int8", 4 / "int4" or "fp8_e4m3" (the qwz / qgz switches turn them off).
     hpz: after forward, keep a secondary shard of the gathered weights partitioned over
         ``hpz_group_size`` ranks of the node (default: the node size); the backward
         all-gather runs inside that group (no cross-node bytes).
@@ -42,9 +44,9 @@ class ZeroConfig:
     hpz: bool = True
     qgz: bool = True
     compute_dtype: torch.dtype = torch.bfloat16
-    weight_bits: int = 8
-    grad_intra_bits: int = 8
-    grad_inter_bits: int = 4
+    weight_bits: Union[int, str] = 8
+    grad_intra_bits: Union[int, str] = 8
+    grad_inter_bits: Union[int, str] = 4
     grad_pipeline_stages: int = 2
     hpz_group_size: Optional[int] = None
     prefetch: bool = True
@@ -62,9 +64,7 @@ class ZeroConfig:
         if self.compute_dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {self.compute_dtype}")
         for name in ("weight_bits", "grad_intra_bits", "grad_inter_bits"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or value not in (4, 8):
-                raise ValueError(f"{name} must be 4 or 8, got {value!r}")
+            format_name(getattr(self, name), name)
         if isinstance(self.grad_pipeline_stages, bool) or not isinstance(self.grad_pipeline_stages, int) \
                 or self.grad_pipeline_stages < 1:
             raise ValueError(f"grad_pipeline_stages must be a positive int, got {self.grad_pipeline_stages!r}")
