@@ -5,7 +5,7 @@
 Suites:
   kernels      GB/s of every qcoll kernel next to the copy bandwidth of the same run
   group_size   error / scale-overhead trade-off behind the default group size
-  collectives  qcoll's all-gather / reduce-scatter vs torch.distributed's, local ranks
+  collectives  qcoll's all-reduce / all-gather / reduce-scatter vs torch.distributed's, local ranks
   cluster      the collectives on an emulated cluster (network namespaces, tc-throttled
                links between nodes); needs root and `ip`/`tc`
   zero         a ZeRO-3 training step (small GPT, qcoll.zero.ZeroEngine, 2 nodes x 2 gloo
@@ -48,9 +48,9 @@ SUITES = {
 OPTIONS = {  # suite -> the options of this command line it understands
     "kernels": {"sizes", "device"},
     "group_size": set(),
-    "collectives": {"sizes", "device", "pipeline_only", "overlap_only"},
-    "cluster": {"sizes", "pipeline_only", "overlap_only"},
-    "zero": {"link", "tiny", "dtype"},
+    "collectives": {"sizes", "device", "pipeline_only", "overlap_only", "all_reduce_only"},
+    "cluster": {"sizes", "pipeline_only", "overlap_only", "all_reduce_only"},
+    "zero": {"link", "tiny", "dtype", "ddp"},
 }
 
 
@@ -94,9 +94,15 @@ def main() -> None:
     parser.add_argument("--overlap-only", action="store_true", default=None,
                         help="collectives, cluster: only the async_op overlap rows (an all-gather beside "
                              "a matmul in the caller)")
+    parser.add_argument("--all-reduce-only", action="store_true", default=None,
+                        help="collectives, cluster: only the all-reduce rows (qcoll.quantized_all_reduce "
+                             "vs torch's all_reduce)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                         help="zero: compute (and unquantized wire) dtype, default bf16; fp32 where "
                              "bf16 matrix products are slow (CPUs without AVX-512 BF16)")
+    parser.add_argument("--ddp", action="store_true", default=None,
+                        help="zero: DistributedDataParallel steps instead, DDP's default all-reduce "
+                             "vs qcoll.ddp's quantized hook")
     # Hidden: the zero suite on a tiny model, 2 configurations, 3 steps (the smoke test).
     parser.add_argument("--tiny", action="store_true", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -104,7 +110,7 @@ def main() -> None:
         args.link = int(args.link)
 
     options = {k: getattr(args, k) for k in ("sizes", "device", "link", "tiny", "pipeline_only", "overlap_only",
-                                             "dtype")
+                                             "all_reduce_only", "dtype", "ddp")
                if getattr(args, k) is not None}
     unknown = set(options) - OPTIONS[args.suite]
     if unknown:
