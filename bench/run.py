@@ -10,7 +10,10 @@ Suites:
                links between nodes); needs root and `ip`/`tc`
   zero         a ZeRO-3 training step (small GPT, qcoll.zero.ZeroEngine, 2 nodes x 2 gloo
                ranks) per configuration: all off, qwZ, hpZ, qgZ alone, all on; --link GBIT
-               runs it on the cluster suite's emulated cluster at that link rate
+               runs it on the cluster suite's emulated cluster at that link rate; --ddp:
+               DDP steps, default all-reduce vs qcoll.ddp's hook
+  error_feedback  int4 gradients with and without qcoll.ErrorFeedback (DDP, convergence
+               test's GPT)
 
 The last line printed is `RESULT {json}`; --json also writes the result, with the command,
 machine and date, to PATH (e.g. bench/results/<suite>-<machine>.json); --plot writes a PNG
@@ -33,7 +36,7 @@ import torch  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 import qcoll  # noqa: E402
-from suites import cluster, collectives, group_size, kernels, zero  # noqa: E402
+from suites import cluster, collectives, error_feedback, group_size, kernels, zero  # noqa: E402
 from timing import parse_sizes  # noqa: E402
 
 # Each suite module provides run(quick, progress, **options) -> dict, table(result) -> lines,
@@ -44,6 +47,7 @@ SUITES = {
     "collectives": collectives,
     "cluster": cluster,
     "zero": zero,
+    "error_feedback": error_feedback,
 }
 OPTIONS = {  # suite -> the options of this command line it understands
     "kernels": {"sizes", "device"},
@@ -51,6 +55,7 @@ OPTIONS = {  # suite -> the options of this command line it understands
     "collectives": {"sizes", "device", "pipeline_only", "overlap_only", "all_reduce_only"},
     "cluster": {"sizes", "pipeline_only", "overlap_only", "all_reduce_only"},
     "zero": {"link", "tiny", "dtype", "ddp"},
+    "error_feedback": set(),
 }
 
 
