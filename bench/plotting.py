@@ -66,7 +66,7 @@ def speedup_chart(result: dict, path: str, series_key=None, targets=None, breakd
     keys = sorted({(r["collective"], r.get(series_key) if series_key else None) for r in rows},
                   key=lambda k: (k[0], str(k[1])))
     sizes = sorted({r["bytes"] for r in rows})
-    colors = {"reduce_scatter": "tab:red", "allgather": "tab:blue"}
+    colors = {"reduce_scatter": "tab:red", "allgather": "tab:blue", "all_reduce": "tab:green"}
     styles = ["-", "--", "-.", ":"]
     series_values = sorted({k[1] for k in keys}, key=str)
     for coll, sv in keys:
@@ -135,7 +135,8 @@ def _breakdown_panel(ax, rows: list, label) -> None:
             ax.plot([i - 0.35, i + 0.35], [r["link_bound_s"] * per_mb] * 2, "r:", lw=2.5,
                     label="link alone (wire bytes / rate)" if "link" not in seen else None)
             seen.add("link")
-        names.append(f"{'RS' if r['collective'] == 'reduce_scatter' else 'AG'} {human_bytes(r['bytes'])}")
+        short = {"reduce_scatter": "RS", "allgather": "AG", "all_reduce": "AR"}.get(r["collective"], r["collective"])
+        names.append(f"{short} {human_bytes(r['bytes'])}")
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(names, rotation=45, ha="right", fontsize=7)
     ax.set_ylabel("ms per MB of tensor (each part alone, slowest rank)")

@@ -5,12 +5,15 @@
 Suites:
   kernels      GB/s of every qcoll kernel next to the copy bandwidth of the same run
   group_size   error / scale-overhead trade-off behind the default group size
-  collectives  qcoll's all-gather / reduce-scatter vs torch.distributed's, local ranks
+  collectives  qcoll's all-reduce / all-gather / reduce-scatter vs torch.distributed's, local ranks
   cluster      the collectives on an emulated cluster (network namespaces, tc-throttled
                links between nodes); needs root and `ip`/`tc`
   zero         a ZeRO-3 training step (small GPT, qcoll.zero.ZeroEngine, 2 nodes x 2 gloo
                ranks) per configuration: all off, qwZ, hpZ, qgZ alone, all on; --link GBIT
-               runs it on the cluster suite's emulated cluster at that link rate
+               runs it on the cluster suite's emulated cluster at that link rate; --ddp:
+               DDP steps, default all-reduce vs qcoll.ddp's hook
+  error_feedback  int4 gradients with and without qcoll.ErrorFeedback (DDP, convergence
+               test's GPT)
 
 The last line printed is `RESULT {json}`; --json also writes the result, with the command,
 machine and date, to PATH (e.g. bench/results/<suite>-<machine>.json); --plot writes a PNG
@@ -33,7 +36,7 @@ import torch  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 import qcoll  # noqa: E402
-from suites import cluster, collectives, group_size, kernels, zero  # noqa: E402
+from suites import cluster, collectives, error_feedback, group_size, kernels, zero  # noqa: E402
 from timing import parse_sizes  # noqa: E402
 
 # Each suite module provides run(quick, progress, **options) -> dict, table(result) -> lines,
@@ -44,13 +47,15 @@ SUITES = {
     "collectives": collectives,
     "cluster": cluster,
     "zero": zero,
+    "error_feedback": error_feedback,
 }
 OPTIONS = {  # suite -> the options of this command line it understands
     "kernels": {"sizes", "device"},
     "group_size": set(),
-    "collectives": {"sizes", "device", "pipeline_only", "overlap_only"},
-    "cluster": {"sizes", "pipeline_only", "overlap_only"},
-    "zero": {"link", "tiny", "dtype"},
+    "collectives": {"sizes", "device", "pipeline_only", "overlap_only", "all_reduce_only"},
+    "cluster": {"sizes", "pipeline_only", "overlap_only", "all_reduce_only"},
+    "zero": {"link", "tiny", "dtype", "ddp"},
+    "error_feedback": set(),
 }
 
 
@@ -94,9 +99,15 @@ def main() -> None:
     parser.add_argument("--overlap-only", action="store_true", default=None,
                         help="collectives, cluster: only the async_op overlap rows (an all-gather beside "
                              "a matmul in the caller)")
+    parser.add_argument("--all-reduce-only", action="store_true", default=None,
+                        help="collectives, cluster: only the all-reduce rows (qcoll.quantized_all_reduce "
+                             "vs torch's all_reduce)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                         help="zero: compute (and unquantized wire) dtype, default bf16; fp32 where "
                              "bf16 matrix products are slow (CPUs without AVX-512 BF16)")
+    parser.add_argument("--ddp", action="store_true", default=None,
+                        help="zero: DistributedDataParallel steps instead, DDP's default all-reduce "
+                             "vs qcoll.ddp's quantized hook")
     # Hidden: the zero suite on a tiny model, 2 configurations, 3 steps (the smoke test).
     parser.add_argument("--tiny", action="store_true", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -104,7 +115,7 @@ def main() -> None:
         args.link = int(args.link)
 
     options = {k: getattr(args, k) for k in ("sizes", "device", "link", "tiny", "pipeline_only", "overlap_only",
-                                             "dtype")
+                                             "all_reduce_only", "dtype", "ddp")
                if getattr(args, k) is not None}
     unknown = set(options) - OPTIONS[args.suite]
     if unknown:

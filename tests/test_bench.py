@@ -65,3 +65,15 @@ def test_link_option_is_refused_where_it_does_not_apply():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "collectives", "--link", "1"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "does not take --link" in proc.stderr
+
+
+def test_zero_ddp_tiny_result_line():
+    """`bench/run.py zero --ddp --tiny`: DDP's default all-reduce vs qcoll.ddp's hook."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "zero", "--ddp", "--tiny"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1][len("RESULT "):])
+    rows = {r["config"]: r for r in result["rows"]}
+    assert set(rows) == {"DDP", "DDP+qcoll"}
+    assert all(r["step_time_s"] > 0 and len(r["losses"]) == r["steps"] for r in rows.values())
+    assert 0 < rows["DDP+qcoll"]["inter_bytes_per_rank"] < 0.5 * rows["DDP"]["inter_bytes_per_rank"]

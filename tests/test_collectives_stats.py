@@ -111,7 +111,7 @@ def _stats_worker(rank, world, ns, rs_cases, ag_cases):
     for case in rs_cases:
         n, dtype = case["n"], case["dtype"]
         qcoll.reset_stats()
-        assert qcoll.stats() == {"allgather": _zero(), "reduce_scatter": _zero()}, "reset"
+        assert qcoll.stats() == {"allgather": _zero(), "reduce_scatter": _zero(), "all_reduce": _zero()}, "reset"
         out = torch.empty(n, dtype=dtype)
         x = torch.ones(world * n, dtype=dtype)
         kw = {k: v for k, v in case.items() if k not in ("n", "dtype")}
@@ -124,7 +124,8 @@ def _stats_worker(rank, world, ns, rs_cases, ag_cases):
                            kw.get("pipeline_stages") or 1, kw.get("hierarchical"))
         want = {"allgather": _zero(),
                 "reduce_scatter": {"calls": 2, "intra_bytes": 2 * intra, "inter_bytes": 2 * inter,
-                                   "header_bytes": 2 * headers}}
+                                   "header_bytes": 2 * headers},
+                "all_reduce": _zero()}
         got = qcoll.stats()
         assert got == want, f"reduce_scatter {case}: stats {got}, expected {want}"
         report.append(("rs", case, got["reduce_scatter"]))
@@ -141,12 +142,12 @@ def _stats_worker(rank, world, ns, rs_cases, ag_cases):
         headers = _headers(gw, gns, n, bits, bits, 1, None, allgather=True)
         want = {"allgather": {"calls": 1, "intra_bytes": intra, "inter_bytes": inter,
                               "header_bytes": headers},
-                "reduce_scatter": _zero()}
+                "reduce_scatter": _zero(), "all_reduce": _zero()}
         got = qcoll.stats()
         assert got == want, f"allgather {case}: stats {got}, expected {want}"
         report.append(("ag", case, got["allgather"]))
     qcoll.reset_stats()
-    assert qcoll.stats() == {"allgather": _zero(), "reduce_scatter": _zero()}
+    assert qcoll.stats() == {"allgather": _zero(), "reduce_scatter": _zero(), "all_reduce": _zero()}
     return report
 
 

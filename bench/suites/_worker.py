@@ -2,7 +2,8 @@
 
     python bench/suites/_worker.py CONFIG.json RANK
 
-For every size and collective it times torch.distributed's own call, the same baseline
+For every size and collective (all-reduce, reduce-scatter, all-gather) it times
+torch.distributed's own call, the same baseline
 through qcoll (bits=None, hierarchical=False: the transport's collective, with qcoll's byte
 accounting), and qcoll's quantized call, one after the other in this process, on the same
 ranks and inputs. Rank 0 prints `PROGRESS done total` lines and writes the rows as JSON to
@@ -323,6 +324,39 @@ def overlap_rows(b: Bench, group, cfg: dict, device) -> list:
     return rows
 
 
+def all_reduce_rows(b: Bench, group, cfg: dict, device, size: int, dtype, stages) -> list:
+    """qcoll.quantized_all_reduce (int8 in the node, int4 across: the DDP hook's defaults)
+    against torch's all_reduce of the same tensor (`size` bytes; gloo has no AVG: SUM then
+    divide) and the same baseline through qcoll (bits=None, hierarchical=False: the
+    transport's reduce-scatter + all-gather, counted by qcoll's rule). Each call starts from
+    a copy of the input (every impl pays the same copy)."""
+    world, rank = b.world, b.rank
+    numel = max(1, size // dtype.itemsize)
+    x = _values((rank, size, "ar"), numel, dtype, device)
+    exact = sum(_values((q, size, "ar"), numel, dtype, "cpu").double() for q in range(world)) / world
+    buf = torch.empty_like(x)
+    native_avg = device.type == "cuda"
+
+    def torch_ar():
+        buf.copy_(x)
+        dist.all_reduce(buf, op=dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM)
+        if not native_avg:
+            buf.div_(world)
+
+    def via_qcoll():
+        buf.copy_(x)
+        qcoll.quantized_all_reduce(buf, group, bits=None, hierarchical=False)
+
+    def quantized():
+        buf.copy_(x)
+        qcoll.quantized_all_reduce(buf, group, bits=8, inter_bits=4, pipeline_stages=stages or 2)
+
+    impls = {"torch": torch_ar, "torch-via-qcoll": via_qcoll, "qcoll": quantized}
+    rows = measure(b, impls, "all_reduce", buf, exact,
+                   dict(collective="all_reduce", bytes=size, numel=numel, dtype=cfg["dtype"]))
+    return list(rows.values())
+
+
 def main() -> None:
     cfg = json.load(open(sys.argv[1]))
     rank = int(sys.argv[2])
@@ -346,6 +380,13 @@ def main() -> None:
     rows, done = [], 0
     total = len(cfg["sizes"])
     for size in cfg["sizes"]:
+        if cfg.get("all_reduce", True):
+            rows += all_reduce_rows(b, group, cfg, device, size, dtype, stages)
+        if cfg.get("all_reduce_only"):
+            done += 1
+            if rank == 0:
+                print(f"PROGRESS {done} {total}", flush=True)
+            continue
         n = max(1, size // (world * dtype.itemsize))  # elements per rank's shard
         # ---- reduce-scatter: input = world partitions; rank r keeps op over partition r.
         inp = torch.cat([_values((rank, p, size, "rs"), n, dtype, device) for p in range(world)])

@@ -5,7 +5,7 @@
 For every configuration in the config: builds examples/gpt.py's GPT from the same seed,
 wraps it in qcoll.zero.ZeroEngine (the config's compute dtype, AdamW) on a qcoll group of node_size ranks
 per node, or shards it with PyTorch FSDP2 (a "fsdp2" entry: "default" or "qcoll"; see
-FSDP2Run), and trains `steps` steps on the same synthetic Markov data. Per step: the slowest
+FSDP2Run), or replicates it with DDP (a "ddp" entry; see DDPRun), and trains `steps` steps on the same synthetic Markov data. Per step: the slowest
 rank's time of forward + backward + step (after `warmup` steps), the bytes the engine sent
 to other nodes and within the node (engine.stats() deltas, mean per rank), and the loss.
 Per step and rank, engine.timings() splits the step's host time into waiting on
@@ -109,6 +109,35 @@ class FSDP2Run:
         return {"optimizer": self.optimizer_s}
 
 
+class DDPRun:
+    """DistributedDataParallel in the config's dtype (parameters and gradients), AdamW: DDP's
+    default all-reduce counted under qcoll's rule (qcoll.ddp.counted_allreduce_hook, torch's
+    own allreduce_hook: "default"), or qcoll.ddp.quantized_allreduce_hook (int8 in the node,
+    int4 across, error feedback: "qcoll"). DDP overlaps its bucket all-reduces with the
+    backward, so the step splits into the optimizer and the rest ("compute")."""
+
+    def __init__(self, cfg: dict, group, model, techniques: dict):
+        import qcoll.ddp
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.model = DDP(model.to(DTYPES[cfg["dtype"]]))
+        state = qcoll.ddp.QuantizedHookState(group, bits=8, inter_bits=4, error_feedback=True)
+        hook = (qcoll.ddp.quantized_allreduce_hook if techniques["ddp"] == "qcoll"
+                else qcoll.ddp.counted_allreduce_hook)
+        self.model.register_comm_hook(state, hook)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"], weight_decay=0.01)
+        self.optimizer_s = 0.0
+
+    step = FSDP2Run.step
+
+    def traffic(self) -> tuple:
+        s = qcoll.stats()["all_reduce"]
+        return s["inter_bytes"], s["intra_bytes"]
+
+    def timings(self) -> dict:
+        return {"optimizer": self.optimizer_s}
+
+
 def _median_or_none(values: list):
     return None if any(math.isnan(v) for v in values) else statistics.median(values)
 
@@ -117,7 +146,8 @@ def train(cfg: dict, rank: int, group, language, model_cfg, name: str, technique
     world, node_size = cfg["world"], cfg["node_size"]
     iface = cfg.get("iface") if rank % node_size == 0 else None
     torch.manual_seed(cfg["seed"])
-    run = (FSDP2Run if "fsdp2" in techniques else EngineRun)(cfg, group, gpt.GPT(model_cfg), techniques)
+    kind = FSDP2Run if "fsdp2" in techniques else DDPRun if "ddp" in techniques else EngineRun
+    run = kind(cfg, group, gpt.GPT(model_cfg), techniques)
     times, inter, intra, wire, losses, phases = [], [], [], [], [], []
     for step in range(cfg["steps"]):
         x, y = language.batch(step, cfg["batch"] * world, cfg["seq"], seed=cfg["seed"])

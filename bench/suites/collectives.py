@@ -1,6 +1,7 @@
-"""`collectives` suite: qcoll.quantized_allgather / quantized_reduce_scatter next to
-torch.distributed's all_gather_into_tensor / reduce_scatter_tensor in the input dtype, on
-the same ranks, sizes and inputs, in the same run.
+"""`collectives` suite: qcoll.quantized_all_reduce / quantized_allgather /
+quantized_reduce_scatter next to torch.distributed's all_reduce / all_gather_into_tensor /
+reduce_scatter_tensor in the input dtype, on the same ranks, sizes and inputs, in the same
+run (--all-reduce-only: the all-reduce rows alone).
 
 4 local ranks (separate processes) form 2 nodes x 2 ranks (qcoll.new_group(node_size=2));
 gloo on CPU, or NCCL ranks sharing GPU 0 with --device cuda (correctness only: the ranks
@@ -12,7 +13,10 @@ reduce-scatter's input, bf16) and collective, three implementations:
   torch-via-qcoll  the same collective through qcoll (bits=None, hierarchical=False), which
                    counts its bytes by qcoll's rule
   qcoll            qwZ int8 all-gather; 2-hop qgZ reduce-scatter (int8 in the node, int4
-                   across, fp32 reduce)
+                   across, fp32 reduce); all-reduce = that reduce-scatter, then an int4
+                   all-gather of the reduced shards (quantized_all_reduce(bits=8,
+                   inter_bits=4), the DDP hook's defaults)
+For the all-reduce, size is the tensor's bytes (every rank's input and output).
 The three take turns call by call (torch, via-qcoll, qcoll, torch, ...) so that load from
 other jobs on a shared machine falls on all alike; a size measured while other processes
 used over half a core is measured again (full runs: up to 3 attempts; `other_cores` and
@@ -50,10 +54,11 @@ PIPELINE_SIZES = [1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 
 def config(sizes, quick: bool, device: str = "cpu", pipeline_only: bool = False,
-           overlap_only: bool = False, **extra) -> dict:
-    pipeline = [] if overlap_only else [1 << 20, 16 << 20] if quick else PIPELINE_SIZES
-    overlap = [] if pipeline_only else [16 << 20] if quick else [64 << 20]
+           overlap_only: bool = False, all_reduce_only: bool = False, **extra) -> dict:
+    pipeline = [] if overlap_only or all_reduce_only else [1 << 20, 16 << 20] if quick else PIPELINE_SIZES
+    overlap = [] if pipeline_only or all_reduce_only else [16 << 20] if quick else [64 << 20]
     only = pipeline_only or overlap_only
+    extra.update(all_reduce=not only, all_reduce_only=bool(all_reduce_only))
     return dict(world=WORLD, node_size=NODE_SIZE, sizes=[] if only else list(sizes),
                 dtype=DTYPE, device=device, warmup=2 if quick else 3, repeats=5 if quick else 11,
                 pipeline_stages=None, phases=True, attempts=1 if quick else 3,
@@ -81,14 +86,16 @@ def finish(rows: list, keys=("bytes",)) -> list:
     return rows
 
 
-def run(quick: bool, progress, sizes=None, device=None, pipeline_only=False, overlap_only=False) -> dict:
+def run(quick: bool, progress, sizes=None, device=None, pipeline_only=False, overlap_only=False,
+        all_reduce_only=False) -> dict:
     device = device or "cpu"
     if device == "auto":
         device = "cpu"
     sizes = sizes or ([256 << 10, 4 << 20, 32 << 20] if quick else size_ladder(64 << 10, 64 << 20, False))
     task = progress.add_task(f"collectives ({device})", total=len(sizes))
     env = (lambda r: dict(GPU_ENV, NCCL_HOSTID=f"qhost{r}")) if device == "cuda" else None
-    out = _ranks.launch(config(sizes, quick, device, pipeline_only, overlap_only), env=env, progress=progress,
+    out = _ranks.launch(config(sizes, quick, device, pipeline_only, overlap_only, all_reduce_only), env=env,
+                        progress=progress,
                         task=task, timeout=900)
     return {"world": WORLD, "node_size": NODE_SIZE, "dtype": DTYPE, "device": device,
             "backend": out["backend"], "torch_calls": out["torch_calls"], "rows": finish(out["rows"])}

@@ -18,6 +18,10 @@ qcoll.fsdp.use_qcoll + reshard_after_forward=2 (hpZ); FSDP2 does not time its co
 so their "compute" is compute and communication. The full run is the ZeRO++ paper's communication-bound regime: a 9.7M-parameter GPT
 and a micro-batch of one 32-token sequence per rank.
 
+--ddp: DistributedDataParallel on the same model instead: DDP's default all-reduce (counted
+under qcoll's rule) vs qcoll.ddp.quantized_allreduce_hook (int8 / int4, error feedback);
+the "speedup" column is then over DDP's default.
+
 --link GBIT: the same inside the cluster suite's emulated cluster (_netns.py: one network
 namespace per node, tc tbf throttling each node's link to GBIT Gbit/s both ways), ZeRO-3 vs
 ZeRO++ and the FSDP2 pair only (all with the full run), with the bytes that actually left each node's veth,
@@ -44,12 +48,14 @@ CONFIGS = [
     ("FSDP2+qcoll", dict(fsdp2="qcoll")),
 ]
 PAIRS = ("ZeRO-3", "ZeRO++", "FSDP2", "FSDP2+qcoll")  # the rows of quick --link and tiny runs
+# --ddp: DistributedDataParallel instead, DDP's default all-reduce vs qcoll.ddp's hook.
+DDP_CONFIGS = [("DDP", dict(ddp="default")), ("DDP+qcoll", dict(ddp="qcoll"))]
 PHASES = ("compute", "gather", "reduce_scatter", "optimizer")
 TARGET = 2.0  # a ZeRO-3 step with all three on >= 2x faster than with all off ...
 TARGET_GBIT = 1  # ... at 1 Gbit/s between nodes
 
 
-def config(quick: bool, link: bool = False, tiny: bool = False, dtype: str = "bf16") -> dict:
+def config(quick: bool, link: bool = False, tiny: bool = False, dtype: str = "bf16", ddp: bool = False) -> dict:
     if tiny:  # the smoke test
         model, steps, warmup, batch, seq = dict(d_model=32, layers=1, heads=2, vocab=32), 3, 1, 2, 16
     elif quick:
@@ -58,13 +64,15 @@ def config(quick: bool, link: bool = False, tiny: bool = False, dtype: str = "bf
         model, steps, warmup, batch, seq = dict(d_model=512, layers=3, heads=8, vocab=512), 20, 3, 1, 32
     lr = 1e-3 if not (quick or tiny) else 3e-3  # the 9.7M model rises for its first steps at 3e-3
     configs = [c for c in CONFIGS if c[0] in PAIRS] if (link and quick) or tiny else CONFIGS
+    if ddp:
+        configs = DDP_CONFIGS
     return {"world": NODES * NODE_SIZE, "node_size": NODE_SIZE, "model": model, "steps": steps,
             "warmup": warmup, "batch": batch, "seq": seq, "lr": lr, "seed": 0, "configs": configs,
             "dtype": dtype}
 
 
-def run(quick: bool, progress, link=None, tiny=False, dtype="bf16") -> dict:
-    cfg = config(quick, link is not None, tiny, dtype)
+def run(quick: bool, progress, link=None, tiny=False, dtype="bf16", ddp=False) -> dict:
+    cfg = config(quick, link is not None, tiny, dtype, ddp)
     task = progress.add_task("zero", total=len(cfg["configs"]))
     extra = {}
     if link is None:
@@ -82,7 +90,7 @@ def run(quick: bool, progress, link=None, tiny=False, dtype="bf16") -> dict:
                 env=lambda r: {"GLOO_SOCKET_IFNAME": _netns.IFACE, "QCOLL_HOST_ID": f"node{r // NODE_SIZE}"},
                 progress=progress, task=task, timeout=1800, worker=WORKER)
     rows = out["rows"]
-    base = next(r for r in rows if r["config"] == "ZeRO-3")
+    base = rows[0]  # ZeRO-3, or DDP with --ddp: the speedups are over it
     for r in rows:
         r["speedup_vs_zero3"] = base["step_time_s"] / r["step_time_s"]
         r["inter_bytes_vs_zero3"] = (r["inter_bytes_per_rank"] / base["inter_bytes_per_rank"]

@@ -33,5 +33,8 @@ void reduce_scatter(const ReduceScatterPlan& plan, const CollectiveBuffers& buff
 // Process-wide byte counters read by qcoll.stats().
 Traffic& allgather_traffic();
 Traffic& reduce_scatter_traffic();
+// qcoll.quantized_all_reduce: a reduce-scatter then an all-gather, composed in Python
+// (python/qcoll/all_reduce.py) and counted once here.
+Traffic& all_reduce_traffic();
 
 }  // namespace qcoll

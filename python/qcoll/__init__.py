@@ -2,7 +2,9 @@
 
 from ._version import __version__
 from ._calls import CommunicationError, Work
+from .all_reduce import quantized_all_reduce
 from .collectives import quantized_allgather, quantized_reduce_scatter
+from .error_feedback import ErrorFeedback
 from .group import Group, destroy, new_group
 from .info import build_info
 from .quantization import DEFAULT_GROUP_SIZE, QuantizedTensor, dequantize, quantize
@@ -12,6 +14,7 @@ __all__ = [
     "__version__",
     "CommunicationError",
     "DEFAULT_GROUP_SIZE",
+    "ErrorFeedback",
     "Group",
     "QuantizedTensor",
     "Work",
@@ -20,6 +23,7 @@ __all__ = [
     "destroy",
     "new_group",
     "quantize",
+    "quantized_all_reduce",
     "quantized_allgather",
     "quantized_reduce_scatter",
     "reset_stats",

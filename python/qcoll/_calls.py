@@ -57,6 +57,26 @@ class Work:
             return None
         return self._future.exception()
 
+    def get_future(self, value=None) -> "torch.futures.Future":
+        """A torch Future that completes with `value` once the call has (CPU: set from the
+        worker thread, or set with the call's error), for APIs that chain futures (DDP comm
+        hooks). GPU: the current stream is ordered after the call first, then it completes."""
+        result: torch.futures.Future = torch.futures.Future()
+        if self._future is None:
+            self.wait()
+            result.set_result(value)
+            return result
+
+        def done(f: Future) -> None:
+            error = f.exception()
+            if error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(value)
+
+        self._future.add_done_callback(done)
+        return result
+
     @property
     def traffic(self) -> dict:
         """This call's own bytes, by qcoll.stats()'s rule (complete once the call is)."""

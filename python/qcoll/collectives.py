@@ -20,6 +20,7 @@ from ._device import device_args
 from ._dtypes import BYTES_CODE, DTYPE_CODES, dtype_code
 from ._formats import RAW_CODE, format_code
 from .group import Group, resolve_group
+from .error_feedback import check_error_feedback, compensate_first_hop
 from .quantization import check_group_size
 
 OPS = dict(_C.OPS)  # name -> the core's ReduceOp code
@@ -165,6 +166,76 @@ def _reduce_scatter_plan(size, node_size, n, code, intra, inter, group_size, sta
                                   hierarchical, headers, min_stage_bytes)
 
 
+def _check_op(op) -> str:
+    if not isinstance(op, str) or op not in OPS:
+        raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
+    return op
+
+
+def _check_stages(pipeline_stages) -> int:
+    stages = 1 if pipeline_stages is None else pipeline_stages
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"pipeline_stages must be a positive int or None, got {pipeline_stages!r}")
+    return stages
+
+
+def _check_hierarchical(hierarchical) -> None:
+    if not (hierarchical is None or isinstance(hierarchical, bool)):
+        raise ValueError(f"hierarchical must be True, False or None, got {hierarchical!r}")
+
+
+def _allgather_core(g: Group, n: int, code: int, bits, group_size: int, device: torch.device):
+    """The plan of one all-gather of n elements per rank over g, and
+    run(comm, kind, index, stream, workspace, traffic, sequence, input, output, collective)
+    that executes it in the core (collective: the stats() counter, "none" for a part)."""
+    plan = _allgather_plan(g.size, n, code, _check_bits(bits, "bits"), group_size,
+                           device.type == "cpu")
+
+    def run(comm, kind, index, stream, workspace, traffic, sequence, input, output,
+            collective="allgather", lane_stream=0):
+        _C.all_gather(plan, comm, code, input.data_ptr(), output.data_ptr(), workspace.data_ptr(),
+                      kind, index, stream, traffic, sequence, collective)
+
+    return plan, run
+
+
+def _reduce_scatter_core(g: Group, n: int, code: int, op: str, intra_bits, inter_bits,
+                         group_size: int, stages: int, hierarchical, device: torch.device):
+    """The plan of one reduce-scatter with n output elements per rank over g, its run (as
+    _allgather_core's, plus the lane stream of a CUDA call) and the call's other
+    communicators (the 2-hop's intra and inter; see _run's extra_comms). g.intra and g.inter
+    share g's buffer registry, which the caller fills for the call."""
+    hier = -1 if hierarchical is None else int(hierarchical)
+    plan = _reduce_scatter_plan(g.size, g.node_size, n, code, _check_bits(intra_bits, "intra_bits"),
+                                _check_bits(inter_bits, "inter_bits"), group_size, stages, hier,
+                                device.type == "cpu", _MIN_STAGE_BYTES)
+    intra_comm = g.intra.communicator(device) if plan.two_hop else None
+    inter_comm = g.inter.communicator(device) if plan.two_hop else None
+    op_code = OPS[op]
+
+    def run(comm, kind, index, stream, workspace, traffic, sequence, input, output,
+            collective="reduce_scatter", lane_stream=0):
+        _C.reduce_scatter(plan, comm, intra_comm, inter_comm, code, op_code, input.data_ptr(),
+                          output.data_ptr(), workspace.data_ptr(), kind, index, stream, traffic,
+                          sequence, lane_stream, collective)
+
+    return plan, run, ((intra_comm, inter_comm) if plan.two_hop else ())
+
+
+def first_hop_bits(g: Group, two_hop: bool, intra_bits, inter_bits):
+    """The code format (as the caller spelled it) of a reduce-scatter's first encode: the
+    intra-node hop, or the one hop, which crosses nodes whenever the group spans several."""
+    return intra_bits if two_hop or g.num_nodes == 1 else inter_bits
+
+
+def _carve(workspace: torch.Tensor, offset: int, numel: int, dtype: torch.dtype):
+    """A typed view of numel elements at a 16-byte aligned offset of the workspace, and the
+    offset after it."""
+    offset = -(-offset // 16) * 16
+    nbytes = numel * dtype.itemsize
+    return workspace[offset:offset + nbytes].view(dtype), offset + nbytes
+
+
 def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *, bits=8,
                         group_size: Optional[int] = None, async_op: bool = False):
     """all_gather_into_tensor semantics: output = concatenation of every rank's input, in
@@ -183,11 +254,10 @@ def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *
     group_size = check_group_size(group_size)
     g = resolve_group(group)
     _debug_check(g, ("quantized_allgather", n, output.numel(), str(input.dtype), wire_format, group_size))
-    plan = _allgather_plan(g.size, n, code, wire_format, group_size, input.device.type == "cpu")
+    plan, run = _allgather_core(g, n, code, bits, group_size, input.device)
 
     def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
-        _C.all_gather(plan, comm, code, input.data_ptr(), output.data_ptr(), workspace.data_ptr(),
-                      kind, index, stream, traffic, sequence)
+        run(comm, kind, index, stream, workspace, traffic, sequence, input, output)
 
     return _run("quantized_allgather", g, input, output, plan.workspace_bytes, launch, async_op)
 
@@ -195,7 +265,8 @@ def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *
 def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, op: str = "avg",
                              intra_bits=8, inter_bits=4,
                              group_size: Optional[int] = None, pipeline_stages: Optional[int] = None,
-                             hierarchical: Optional[bool] = None, async_op: bool = False):
+                             hierarchical: Optional[bool] = None, error_feedback=None,
+                             async_op: bool = False):
     """reduce_scatter_tensor semantics: rank r's output = op over ranks of
     input[r*n:(r+1)*n], n = output.numel(). op: "avg" (true mean) or "sum"; reduced in fp32.
 
@@ -206,35 +277,43 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     Each bits argument: 8 / "int8", 4 / "int4", "fp8_e4m3", or None, which sends the input
     dtype; with hierarchical=False and the one hop unquantized
     this is the transport's own reduce-scatter.
+
+    error_feedback: a qcoll.ErrorFeedback kept for this input: the residual of this rank's
+    previous first-hop encode is added to the input before encoding (the input itself is
+    left unchanged) and the new residual is kept (see qcoll.error_feedback).
     """
     size = _group_size(group)
     n = output.numel() if isinstance(output, torch.Tensor) else 0
     code = _check_pair(output, input, n, size * n, "quantized_reduce_scatter")
-    if not isinstance(op, str) or op not in OPS:
-        raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
+    _check_op(op)
     intra = _check_bits(intra_bits, "intra_bits")
     inter = _check_bits(inter_bits, "inter_bits")
     group_size = check_group_size(group_size)
-    stages = 1 if pipeline_stages is None else pipeline_stages
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"pipeline_stages must be a positive int or None, got {pipeline_stages!r}")
-    if not (hierarchical is None or isinstance(hierarchical, bool)):
-        raise ValueError(f"hierarchical must be True, False or None, got {hierarchical!r}")
+    stages = _check_stages(pipeline_stages)
+    _check_hierarchical(hierarchical)
+    check_error_feedback(error_feedback)
     g = resolve_group(group)
     _debug_check(g, ("quantized_reduce_scatter", n, input.numel(), str(input.dtype), op, intra,
-                     inter, group_size, stages, hierarchical))
-    hier = -1 if hierarchical is None else int(hierarchical)
-    plan = _reduce_scatter_plan(g.size, g.node_size, n, code, intra, inter, group_size, stages, hier,
-                                input.device.type == "cpu", _MIN_STAGE_BYTES)
-    intra_comm = g.intra.communicator(input.device) if plan.two_hop else None
-    inter_comm = g.inter.communicator(input.device) if plan.two_hop else None
-    op_code = OPS[op]
+                     inter, group_size, stages, hierarchical, error_feedback is not None))
+    plan, run, extra_comms = _reduce_scatter_core(g, n, code, op, intra_bits, inter_bits, group_size,
+                                                  stages, hierarchical, input.device)
+    first = first_hop_bits(g, plan.two_hop, intra_bits, inter_bits)
+    ef = None
+    if error_feedback is not None and first is not None:
+        ef = error_feedback.bind("quantized_reduce_scatter", input, g.size)
+        residual = ef.residual("input", input.numel(), input.device)
+    workspace_bytes = plan.workspace_bytes + (0 if ef is None else input.numel() * input.element_size() + 16)
 
     def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
-        # g.intra and g.inter share g's buffer registry, which _run fills for this call.
-        _C.reduce_scatter(plan, comm, intra_comm, inter_comm, code, op_code, input.data_ptr(),
-                          output.data_ptr(), workspace.data_ptr(), kind, index, stream, traffic,
-                          sequence, lane_stream)
+        source = input
+        if ef is not None:  # the compensated input goes into the workspace, past the plan's
+            source, _ = _carve(workspace, plan.workspace_bytes, input.numel(), input.dtype)
+            source.copy_(input.reshape(-1))
+            compensate_first_hop(source, residual, first, group_size, g.size, n, plan.stages,
+                                 plan.slice)
+            g._buffers.set(source, output, workspace)
+        run(comm, kind, index, stream, workspace, traffic, sequence, source, output,
+            lane_stream=lane_stream)
 
-    return _run("quantized_reduce_scatter", g, input, output, plan.workspace_bytes, launch, async_op,
-                extra_comms=(intra_comm, inter_comm) if plan.two_hop else ())
+    return _run("quantized_reduce_scatter", g, input, output, workspace_bytes, launch, async_op,
+                extra_comms=extra_comms)

@@ -10,6 +10,11 @@ signatures of ``torch.distributed.fsdp._fully_shard._fsdp_api.AllGather`` / ``Re
     qgZ  QuantizedReduceScatter    the gradient reduce-scatter, 2-hop and quantized
 
 ``use_qcoll(module)`` sets both comms on every FSDPModule of a tree.
+
+HSDP (replicas of a sharded model): ``fully_shard`` on the shard dimension of a 2-D mesh and
+``use_qcoll(module, replicate_group=mesh.get_group("replicate"), replicate_bits=8)``: the
+replicas' all-reduce of the reduce-scattered gradients is qcoll.quantized_all_reduce,
+through FSDP2's ``set_all_reduce_hook`` (QuantizedReplicaAllReduce).
 ``count_default_collectives(module)`` keeps FSDP2's own collectives (same numerics) but counts
 their bytes in ``qcoll.stats()`` under qcoll's rule, to compare against.
 """
@@ -22,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from ._dtypes import DTYPE_CODES
-from .collectives import _check_bits, quantized_allgather, quantized_reduce_scatter
+from .all_reduce import quantized_all_reduce
+from .collectives import _check_bits, _check_stages, quantized_allgather, quantized_reduce_scatter
+from .error_feedback import ErrorFeedback
 from .group import Group, resolve_group
 from .quantization import check_group_size
 
@@ -206,6 +213,58 @@ class QuantizedReduceScatter(_Allocating, ReduceScatter):
                 f"node_size={self.node_size})")
 
 
+class QuantizedReplicaAllReduce:
+    """FSDP2 all-reduce hook (``FSDPModule.set_all_reduce_hook``) for HSDP: averages the
+    reduce-scattered gradient shard over the replicas with qcoll.quantized_all_reduce (bits
+    inside a node, `inter_bits or bits` across; an HSDP replicate group usually has one rank
+    per node: one hop at `inter_bits or bits`). Every replica decodes the same bytes, so the
+    replicas' shards stay bit-identical. error_feedback: an ErrorFeedback of this hook's own
+    (one hook per FSDPModule: FSDP2 hands each module's shard, always the same size).
+
+    The module must be sharded over the shard dimension only (``fully_shard(mesh=
+    mesh["shard"])``): with a 2-D mesh FSDP2 all-reduces itself and calls the hook after."""
+
+    def __init__(self, replicate_group, bits=8, inter_bits=None,
+                 pipeline_stages: int = 2, group_size: Optional[int] = None,
+                 error_feedback: bool = True, node_size: Optional[int] = None):
+        _require_api()
+        if not isinstance(replicate_group, (Group, dist.ProcessGroup)):
+            raise TypeError("replicate_group must be a qcoll.Group or a torch ProcessGroup (e.g. "
+                            f"mesh.get_group('replicate')), got {type(replicate_group).__name__}")
+        _check_bits(bits, "bits")
+        _check_bits(inter_bits, "inter_bits")
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
+        self.replicate_group = replicate_group
+        self.bits = bits
+        self.inter_bits = inter_bits
+        self.pipeline_stages = _check_stages(pipeline_stages)
+        self.group_size = check_group_size(group_size)
+        self.node_size = _check_node_size(node_size)
+        self.error_feedback = ErrorFeedback() if error_feedback and bits is not None else None
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        g = (self.replicate_group if isinstance(self.replicate_group, Group)
+             else qcoll_group(self.replicate_group, self.node_size))
+        quantized_all_reduce(reduce_output, g, op="avg", bits=self.bits, inter_bits=self.inter_bits,
+                             group_size=self.group_size, pipeline_stages=self.pipeline_stages,
+                             error_feedback=self.error_feedback)
+
+    def __repr__(self) -> str:
+        return (f"QuantizedReplicaAllReduce(bits={self.bits}, inter_bits={self.inter_bits}, "
+                f"error_feedback={self.error_feedback is not None}, node_size={self.node_size})")
+
+
+def _check_not_native_hsdp(m) -> None:
+    for param_group in m._get_fsdp_state()._fsdp_param_groups:
+        if getattr(param_group, "_is_hsdp", False):
+            raise ValueError(
+                "replicate_group: this module was sharded on a 2-D mesh, so FSDP2 all-reduces the "
+                "replicas itself (and would call qcoll's hook after it). Shard over the shard "
+                "dimension only (fully_shard(..., mesh=mesh['shard'])) and pass "
+                "replicate_group=mesh.get_group('replicate')")
+
+
 def _fsdp_modules(module: torch.nn.Module) -> list:
     _require_api()
     if not isinstance(module, torch.nn.Module):
@@ -217,17 +276,36 @@ def _fsdp_modules(module: torch.nn.Module) -> list:
 
 
 def use_qcoll(module: torch.nn.Module, *, weight_bits=8, grad_intra_bits=8, grad_inter_bits=4,
-              grad_pipeline_stages: int = 2, node_size: Optional[int] = None) -> torch.nn.Module:
+              grad_pipeline_stages: int = 2, node_size: Optional[int] = None,
+              replicate_group=None, replicate_bits=8, replicate_inter_bits=None,
+              replicate_error_feedback: bool = True) -> torch.nn.Module:
     """Set qcoll's all-gather and reduce-scatter on every FSDPModule in `module`'s tree
     (FSDP2's setters act on one module only). Bits: 8 / "int8", 4 / "int4", "fp8_e4m3", or
     None, which leaves that collective unquantized.
-    hpZ is FSDP2's own reshard_after_forward=<ranks per node>. Returns `module`."""
+    hpZ is FSDP2's own reshard_after_forward=<ranks per node>.
+
+    replicate_group (HSDP): the ProcessGroup of this rank's replicas (a 2-D mesh's
+    mesh.get_group("replicate"), the module sharded over mesh["shard"]); each FSDPModule then
+    averages its gradient shard over it with qcoll.quantized_all_reduce at replicate_bits /
+    replicate_inter_bits, with error feedback (QuantizedReplicaAllReduce). Returns `module`."""
     all_gather = QuantizedAllGather(bits=weight_bits, node_size=node_size)
     reduce_scatter = QuantizedReduceScatter(intra_bits=grad_intra_bits, inter_bits=grad_inter_bits,
                                             pipeline_stages=grad_pipeline_stages, node_size=node_size)
-    for m in _fsdp_modules(module):
+    hook_args = None
+    if replicate_group is not None:
+        hook_args = dict(replicate_group=replicate_group, bits=replicate_bits,
+                         inter_bits=replicate_inter_bits, pipeline_stages=grad_pipeline_stages,
+                         error_feedback=replicate_error_feedback, node_size=node_size)
+        QuantizedReplicaAllReduce(**hook_args)  # the arguments are checked before any change
+    modules = _fsdp_modules(module)
+    if hook_args is not None:
+        for m in modules:
+            _check_not_native_hsdp(m)
+    for m in modules:
         m.set_custom_all_gather(all_gather)
         m.set_custom_reduce_scatter(reduce_scatter)
+        if hook_args is not None:
+            m.set_all_reduce_hook(QuantizedReplicaAllReduce(**hook_args))  # its own error feedback
     return module
 
 
@@ -289,5 +367,5 @@ def count_default_collectives(module: torch.nn.Module, *, node_size: Optional[in
     return module
 
 
-__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "use_qcoll", "CountedAllGather",
+__all__ = ["QuantizedAllGather", "QuantizedReduceScatter", "QuantizedReplicaAllReduce", "use_qcoll", "CountedAllGather",
            "CountedReduceScatter", "count_default_collectives", "qcoll_group", "MIN_TORCH"]

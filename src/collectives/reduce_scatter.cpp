@@ -207,4 +207,9 @@ Traffic& reduce_scatter_traffic() {
   return t;
 }
 
+Traffic& all_reduce_traffic() {
+  static Traffic t;
+  return t;
+}
+
 }  // namespace qcoll

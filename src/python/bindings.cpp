@@ -6,6 +6,8 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "qcoll/collectives.h"
 #include "qcoll/device.h"
@@ -46,12 +48,25 @@ py::dict traffic_dict(const qcoll::Traffic& t) {
   return d;
 }
 
-// Adds a call's traffic to the process-wide counters however the call ends.
+// Adds a call's traffic to the process-wide counters however the call ends (total null:
+// a part of a composite call, which Python counts once with add_traffic when it ends).
 struct Counted {
   qcoll::Traffic& call;
-  qcoll::Traffic& total;
-  ~Counted() { total.add(call); }
+  qcoll::Traffic* total;
+  ~Counted() {
+    if (total) total->add(call);
+  }
 };
+
+// The process-wide counter named `collective` ("" or "none": no counter).
+qcoll::Traffic* counter(const std::string& collective) {
+  if (collective == "allgather") return &qcoll::allgather_traffic();
+  if (collective == "reduce_scatter") return &qcoll::reduce_scatter_traffic();
+  if (collective == "all_reduce") return &qcoll::all_reduce_traffic();
+  QCOLL_ARG_CHECK(collective.empty() || collective == "none", "collective must be 'allgather', "
+                  "'reduce_scatter', 'all_reduce' or 'none', got '", collective, "'");
+  return nullptr;
+}
 
 void bind_collectives(py::module_& m) {
   using qcoll::Communicator;
@@ -63,12 +78,10 @@ void bind_collectives(py::module_& m) {
       // under qcoll's accounting rule, so baselines and qcoll are measured alike.
       .def("account", [](const Communicator& c, const std::string& collective, int64_t bytes_per_peer) {
         QCOLL_ARG_CHECK(bytes_per_peer >= 0, "bytes_per_peer must be >= 0, got ", bytes_per_peer);
-        QCOLL_ARG_CHECK(collective == "allgather" || collective == "reduce_scatter",
-                        "collective must be 'allgather' or 'reduce_scatter', got '", collective, "'");
-        qcoll::Traffic& t = collective == "allgather" ? qcoll::allgather_traffic()
-                                                      : qcoll::reduce_scatter_traffic();
-        t.calls += 1;
-        c.count(bytes_per_peer, t);
+        qcoll::Traffic* t = counter(collective);
+        QCOLL_ARG_CHECK(t != nullptr, "collective must name a counter, got '", collective, "'");
+        t->calls += 1;
+        c.count(bytes_per_peer, *t);
       }, py::arg("collective"), py::arg("bytes_per_peer"));
   py::class_<qcoll::TorchCommunicator, Communicator, std::shared_ptr<qcoll::TorchCommunicator>>(
       m, "TorchCommunicator")
@@ -135,13 +148,24 @@ void bind_collectives(py::module_& m) {
   py::class_<qcoll::Traffic>(m, "Traffic")
       .def(py::init<>())
       .def("as_dict", &traffic_dict);
+  // A composite call (qcoll.quantized_all_reduce): its parts' bytes as one call, added to
+  // `call` and to the counter named `collective`.
+  m.def("add_traffic", [](qcoll::Traffic& call, const std::vector<qcoll::Traffic*>& parts,
+                          const std::string& collective) {
+    for (const qcoll::Traffic* part : parts) {
+      call.add(*part);
+      call.calls -= part->calls.load();
+    }
+    call.calls += 1;
+    if (qcoll::Traffic* total = counter(collective)) total->add(call);
+  }, py::arg("call"), py::arg("parts"), py::arg("collective"));
 
   m.def(
       "all_gather",
       [](const qcoll::AllGatherPlan& plan, Communicator& comm, int dtype, uintptr_t input,
          uintptr_t output, uintptr_t workspace, int device_kind, int device_index,
-         uintptr_t stream, qcoll::Traffic& traffic, uint32_t sequence) {
-        Counted counted{traffic, qcoll::allgather_traffic()};
+         uintptr_t stream, qcoll::Traffic& traffic, uint32_t sequence, const std::string& collective) {
+        Counted counted{traffic, counter(collective)};
         qcoll::all_gather(plan, collective_buffers(input, output, workspace),
                           static_cast<qcoll::DType>(dtype), comm,
                           device(device_kind, device_index, stream), traffic, sequence);
@@ -149,14 +173,15 @@ void bind_collectives(py::module_& m) {
       py::call_guard<py::gil_scoped_release>(), py::arg("plan"), py::arg("comm"),
       py::arg("dtype"), py::arg("input"), py::arg("output"), py::arg("workspace"),
       py::arg("device_kind"), py::arg("device_index"), py::arg("stream"), py::arg("traffic"),
-      py::arg("sequence"));
+      py::arg("sequence"), py::arg("collective") = "allgather");
   m.def(
       "reduce_scatter",
       [](const qcoll::ReduceScatterPlan& plan, Communicator& world, Communicator* intra,
          Communicator* inter, int dtype, int op, uintptr_t input, uintptr_t output,
          uintptr_t workspace, int device_kind, int device_index, uintptr_t stream,
-         qcoll::Traffic& traffic, uint32_t sequence, uintptr_t lane_stream) {
-        Counted counted{traffic, qcoll::reduce_scatter_traffic()};
+         qcoll::Traffic& traffic, uint32_t sequence, uintptr_t lane_stream,
+         const std::string& collective) {
+        Counted counted{traffic, counter(collective)};
         qcoll::Device dev = device(device_kind, device_index, stream);
         dev.lane_stream = ptr(lane_stream);  // the group's second stream (pipelined 2-hop)
         qcoll::reduce_scatter(plan, collective_buffers(input, output, workspace),
@@ -167,16 +192,18 @@ void bind_collectives(py::module_& m) {
       py::arg("intra").none(true), py::arg("inter").none(true), py::arg("dtype"), py::arg("op"),
       py::arg("input"), py::arg("output"), py::arg("workspace"), py::arg("device_kind"),
       py::arg("device_index"), py::arg("stream"), py::arg("traffic"), py::arg("sequence"),
-      py::arg("lane_stream") = 0);
+      py::arg("lane_stream") = 0, py::arg("collective") = "reduce_scatter");
   m.def("stats", []() {
     py::dict d;
     d["allgather"] = traffic_dict(qcoll::allgather_traffic());
     d["reduce_scatter"] = traffic_dict(qcoll::reduce_scatter_traffic());
+    d["all_reduce"] = traffic_dict(qcoll::all_reduce_traffic());
     return d;
   });
   m.def("reset_stats", []() {
     qcoll::allgather_traffic().reset();
     qcoll::reduce_scatter_traffic().reset();
+    qcoll::all_reduce_traffic().reset();
   });
 }
 

@@ -1,0 +1,137 @@
+"""qcoll.quantized_all_reduce: AGoQ's 8-bit all-reduce as qcoll's reduce-scatter, then its
+all-gather of the reduced shards.
+
+The composition lives here, once: both halves are the core's existing collectives
+(collectives.py's _reduce_scatter_core / _allgather_core, the same plans), run one after
+the other inside ONE call of the group (one _run: one sequence number, one Work, one
+worker-thread task on CPU, stream order on GPU), with error feedback between them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _C
+from ._dtypes import dtype_code
+from .collectives import (
+    _allgather_core,
+    _carve,
+    _check_bits,
+    _check_hierarchical,
+    _check_op,
+    _check_stages,
+    _debug_check,
+    _group_size,
+    _reduce_scatter_core,
+    _run,
+    first_hop_bits,
+)
+from .error_feedback import (
+    check_error_feedback,
+    compensate_first_hop,
+    compensate_shard,
+    keep_shard_residual,
+)
+from .group import resolve_group
+from .quantization import check_group_size
+
+_WHAT = "quantized_all_reduce"
+
+
+def _check_tensor(tensor) -> int:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{_WHAT}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{_WHAT}: tensor must be contiguous")
+    if tensor.requires_grad and tensor.is_leaf:
+        raise RuntimeError(f"{_WHAT}: tensor is a leaf tensor that requires grad; the all-reduce "
+                           "writes it in place (pass a tensor without requires_grad, or detach it)")
+    return dtype_code(tensor.dtype, f"{_WHAT}: tensor")
+
+
+def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", bits=8,
+                         inter_bits=None, group_size: Optional[int] = None,
+                         hierarchical: bool = True, pipeline_stages: Optional[int] = 2,
+                         error_feedback=None, async_op: bool = False):
+    """all_reduce semantics, in place: every rank's tensor becomes op ("avg": the mean,
+    "sum") over the ranks' tensors, computed in fp32, in the tensor's dtype.
+
+    1. reduce-scatter (qcoll.quantized_reduce_scatter's algorithm) of the tensor, padded to
+       a multiple of the group size, into this rank's shard: across nodes the 2-hop path
+       (bits inside the node, `inter_bits or bits` across; hierarchical=False: one hop);
+    2. all-gather of the shards at `inter_bits or bits` when the group spans nodes (bits on
+       one node): every rank, the shard's owner too, decodes the same bytes, so the result
+       is bit-identical on every rank.
+    bits=None sends the tensor's dtype (exact up to fp32 summation order for fp32).
+    error_feedback: a qcoll.ErrorFeedback kept for this tensor (see qcoll.error_feedback):
+    the residuals of this rank's input encode and of its shard's all-gather encode.
+    Returns a Work with async_op=True (one for the whole call), else None.
+    """
+    size = _group_size(group)
+    code = _check_tensor(tensor)
+    _check_op(op)
+    _check_bits(bits, "bits")
+    _check_bits(inter_bits, "inter_bits")
+    group_size = check_group_size(group_size)
+    stages = _check_stages(pipeline_stages)
+    _check_hierarchical(hierarchical)
+    check_error_feedback(error_feedback)
+    g = resolve_group(group)
+    _debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, bits, inter_bits, group_size,
+                     stages, hierarchical, error_feedback is not None))
+
+    numel = tensor.numel()
+    n = -(-numel // size)  # shard elements; the tensor is padded to size * n
+    cross = bits if inter_bits is None else inter_bits
+    gather_bits = cross if g.num_nodes > 1 else bits
+    device = tensor.device
+    rs_plan, reduce_scatter, extra_comms = _reduce_scatter_core(g, n, code, op, bits, cross, group_size,
+                                                                stages, hierarchical, device)
+    ag_plan, all_gather = _allgather_core(g, n, code, gather_bits, group_size, device)
+    first = first_hop_bits(g, rs_plan.two_hop, bits, cross)
+
+    ef = residual_in = residual_shard = None
+    if error_feedback is not None:
+        ef = error_feedback.bind(_WHAT, tensor, size)
+        if first is not None:
+            residual_in = ef.residual("input", size * n, device)
+        if gather_bits is not None:
+            residual_shard = ef.residual("shard", n, device)
+
+    padded = size * n != numel  # then the reduce-scatter input is a padded copy
+    core_bytes = max(rs_plan.workspace_bytes, ag_plan.workspace_bytes)
+    workspace_bytes = core_bytes + 32 + (size * n + n) * tensor.element_size()
+    flat = tensor.view(-1)
+
+    def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
+        full, offset = flat, core_bytes
+        if padded:
+            full, offset = _carve(workspace, offset, size * n, tensor.dtype)
+            full[:numel].copy_(flat)
+            full[numel:].zero_()
+        shard, _ = _carve(workspace, offset, n, tensor.dtype)
+        parts = (_C.Traffic(), _C.Traffic())
+        try:
+            if residual_in is not None:
+                compensate_first_hop(full, residual_in, first, group_size, size, n, rs_plan.stages,
+                                     rs_plan.slice)
+            g._buffers.set(full, shard, workspace)
+            reduce_scatter(comm, kind, index, stream, workspace, parts[0], sequence, full, shard,
+                           "none", lane_stream)
+            if residual_shard is not None:
+                wanted = compensate_shard(shard, residual_shard)
+            g._buffers.set(shard, full, workspace)
+            all_gather(comm, kind, index, stream, workspace, parts[1], sequence, shard, full, "none")
+            if residual_shard is not None:
+                keep_shard_residual(wanted, full[g.rank * n:(g.rank + 1) * n], residual_shard)
+            if padded:
+                flat.copy_(full[:numel])
+        finally:
+            _C.add_traffic(traffic, list(parts), "all_reduce")
+
+    return _run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op, extra_comms=extra_comms)
+
+
+__all__ = ["quantized_all_reduce"]

@@ -1,0 +1,132 @@
+"""Error feedback for the lossy gradient collectives: qcoll.ErrorFeedback.
+
+A rank that quantizes a value it owns keeps what the code could not carry (the residual,
+in fp32) and adds it to the same value of its next call, so quantization errors do not
+accumulate over steps (EF-SGD; 1-bit Adam / LoCo keep the same state). Two encodes in
+qcoll are made by one rank from a value only it holds:
+
+  "input"  the first encode of a reduce-scatter (and of an all-reduce's reduce-scatter
+           half): this rank's own tensor, as the first hop's code format groups it. Its
+           residual has the input's numel (padded to a multiple of the group size).
+  "shard"  an all-reduce's all-gather: the reduced shard this rank owns, re-encoded at
+           `inter_bits or bits`. Every rank decodes those bytes, the owner included, so the
+           owner's residual is exact. numel / group size elements.
+
+The inter-node re-encode of a node's partial sums inside the 2-hop reduce-scatter is not
+compensated: it happens inside the core's fused dequantize-reduce-quantize kernel and its
+residual would need that kernel to write one more output (see the README).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class ErrorFeedback:
+    """Error-feedback state for ONE tensor or bucket, kept by the caller across steps and
+    passed as ``error_feedback=`` to quantized_reduce_scatter / quantized_all_reduce.
+
+    Memory: fp32 residuals allocated on the first call, on the tensor's device: 4 bytes per
+    element of the input ("input"), plus 4 bytes per element of this rank's shard for an
+    all-reduce ("shard": numel / group size). ``nbytes`` reports it; ``reset()`` frees it.
+    The state binds to the first call's collective, numel, dtype, device and group size; a
+    call that differs raises ValueError (use one state per tensor or bucket). With
+    async_op=True the state is updated when the call runs: do not pass it to another call
+    before waiting."""
+
+    def __init__(self):
+        self._residuals: dict = {}
+        self._binding: Optional[tuple] = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.numel() * r.element_size() for r in self._residuals.values())
+
+    def reset(self) -> None:
+        """Forget the residuals (and the binding), e.g. when the bucket layout changes."""
+        self._residuals = {}
+        self._binding = None
+
+    def bind(self, collective: str, tensor: torch.Tensor, group_size: int) -> "ErrorFeedback":
+        """Check (or record, on first use) which call this state belongs to."""
+        binding = (collective, tensor.numel(), tensor.dtype, tensor.device, group_size)
+        if self._binding is None:
+            self._binding = binding
+        elif binding != self._binding:
+            raise ValueError(f"error_feedback: this ErrorFeedback belongs to {_describe(self._binding)}, "
+                             f"not {_describe(binding)}; keep one ErrorFeedback per tensor or bucket "
+                             "(or reset() it)")
+        return self
+
+    def residual(self, role: str, numel: int, device: torch.device) -> torch.Tensor:
+        """The fp32 residual of `role` (zeros at first)."""
+        r = self._residuals.get(role)
+        if r is None or r.numel() != numel:
+            r = self._residuals[role] = torch.zeros(numel, dtype=torch.float32, device=device)
+        return r
+
+    def __repr__(self) -> str:
+        bound = "unbound" if self._binding is None else _describe(self._binding)
+        return f"ErrorFeedback({bound}, {self.nbytes} bytes)"
+
+
+def _describe(binding: tuple) -> str:
+    collective, numel, dtype, device, group_size = binding
+    return f"{collective} of {numel} {dtype} elements on {device} over {group_size} ranks"
+
+
+def check_error_feedback(error_feedback) -> None:
+    if error_feedback is not None and not isinstance(error_feedback, ErrorFeedback):
+        raise TypeError("error_feedback must be a qcoll.ErrorFeedback or None, got "
+                        f"{type(error_feedback).__name__}")
+
+
+def _decode_first_hop(send: torch.Tensor, bits, group_size: int, world: int, n: int, stages: int,
+                      slice_len: int) -> torch.Tensor:
+    """What the receivers of a reduce-scatter's first encode decode (fp32): the input holds
+    `world` partitions of n elements; stage s encodes elements [s * slice_len, ...) of every
+    partition as one chunk whose groups start at the slice's start (wire.h)."""
+    from .quantization import dequantize, quantize  # the same codec as the wire's
+
+    rows = send.view(world, n)
+    decoded = torch.empty(world, n, dtype=torch.float32, device=send.device)
+    for s in range(stages):
+        begin = s * slice_len
+        length = min(slice_len, n - begin)
+        if length <= 0:
+            continue
+        block = rows[:, begin:begin + length]
+        padded = -(-length // group_size) * group_size
+        if padded != length or not block.is_contiguous():
+            # Zeros change no group's absmax, so every group is quantized as on the wire.
+            block = torch.nn.functional.pad(block, (0, padded - length))
+        q = quantize(block, bits=bits, group_size=group_size)
+        decoded[:, begin:begin + length] = dequantize(q, dtype=torch.float32)[:, :length]
+    return decoded.view(-1)
+
+
+def compensate_first_hop(send: torch.Tensor, residual: torch.Tensor, bits, group_size: int,
+                         world: int, n: int, stages: int, slice_len: int) -> None:
+    """send (the buffer the first hop encodes) += residual; residual = what the encode of
+    the compensated values loses (including their rounding to send's dtype)."""
+    wanted = send.float().add_(residual)
+    send.copy_(wanted)
+    torch.sub(wanted, _decode_first_hop(send, bits, group_size, world, n, stages, slice_len),
+              out=residual)
+
+
+def compensate_shard(shard: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """shard += residual before it is all-gathered; returns the fp32 values meant."""
+    wanted = shard.float().add_(residual)
+    shard.copy_(wanted)
+    return wanted
+
+
+def keep_shard_residual(wanted: torch.Tensor, decoded: torch.Tensor, residual: torch.Tensor) -> None:
+    """residual = the compensated shard minus what every rank decoded for it."""
+    torch.sub(wanted, decoded.float(), out=residual)
+
+
+__all__ = ["ErrorFeedback"]
