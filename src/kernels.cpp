@@ -44,7 +44,6 @@ void quantize(const QuantizeArgs& a) {
   QCOLL_ARG_CHECK(a.input && a.codes && a.scales, "quantize: null input, codes or scales pointer");
   QCOLL_ARG_CHECK(a.spec.symmetric || a.offsets, "asymmetric quantize needs an offsets buffer");
   if (a.device.kind == DeviceKind::kCPU) return cpu::quantize(a);
-  QCOLL_ARG_CHECK(!a.spec.hadamard_size, "hadamard: the CUDA kernels do not have it yet");
 #if defined(QCOLL_WITH_CUDA)
   cuda::quantize(a);
 #endif
@@ -64,7 +63,6 @@ void dequantize(const DequantizeArgs& a) {
   QCOLL_ARG_CHECK(a.codes && a.scales && a.output, "dequantize: null codes, scales or output pointer");
   QCOLL_ARG_CHECK(a.symmetric || a.offsets, "asymmetric dequantize needs the offsets");
   if (a.device.kind == DeviceKind::kCPU) return cpu::dequantize(a);
-  QCOLL_ARG_CHECK(!a.hadamard_size, "hadamard: the CUDA kernels do not have it yet");
 #if defined(QCOLL_WITH_CUDA)
   cuda::dequantize(a);
 #endif

@@ -75,7 +75,6 @@ void encode_chunks(const EncodeArgs& a) {
   QCOLL_ARG_CHECK(a.input, "encode: null input pointer");
   check_chunks(a.output, a.chunk_stride, a.count, a.fmt, a.len, "encode output");
   if (a.device.kind == DeviceKind::kCPU) return cpu::encode_chunks(a);
-  QCOLL_ARG_CHECK(!a.fmt.hadamard_size, "hadamard: the CUDA kernels do not have it yet");
 #if defined(QCOLL_WITH_CUDA)
   cuda::encode_chunks(a);
 #endif
@@ -120,8 +119,6 @@ void reduce_chunks(const ReduceArgs& a) {
                     a.out_values_stride, " is below len ", a.len);
   }
   if (a.device.kind == DeviceKind::kCPU) return cpu::reduce_chunks(a);
-  QCOLL_ARG_CHECK(!a.in_fmt.hadamard_size && !a.out_fmt.hadamard_size,
-                  "hadamard: the CUDA kernels do not have it yet");
 #if defined(QCOLL_WITH_CUDA)
   cuda::reduce_chunks(a);
 #endif
