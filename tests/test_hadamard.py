@@ -17,8 +17,8 @@ import reference as ref
 from conftest import generator, make_values
 from distributed import run_ranks
 from qcoll import _C
-from test_wire import (CODE, DTYPES, GARBAGE, chunk_bytes, decode_chunk, expected_output,
-                       out_spec, partition, ref_chunk, run_encode, run_reduce)
+from test_wire import (DTYPES, GARBAGE, chunk_bytes, expected_output, out_spec, partition,
+                       ref_chunk, reference_sum, run_encode, run_reduce)
 
 F32 = torch.float32
 SIZES = [8, 16, 32, 64, 128, 256]
@@ -174,21 +174,10 @@ def test_kernel_entry_points_check_the_size():
         _C.quantize(x.data_ptr(), 0, 64, 8, 32, True, 0, 0, 0, codes.data_ptr(),
                     scales.data_ptr(), 0, 0, 0, 0, hadamard_size=64)
     with pytest.raises(ValueError, match="hadamard_size needs quantized chunks"):
-        run_encode_h(x, 64, 0, 64, 1, 0, 1, 0, 8, hadamard=8)
+        run_encode(x, 64, 0, 64, 1, 0, 1, 0, 8, hadamard=8)
 
 
 # ---- wire kernels -----------------------------------------------------------------------------
-def run_encode_h(x, partition_elems, slice_begin, n, count, node_size, nodes, bits, group_size,
-                 hadamard, lib=_C, device=(0, 0, 0), out=None):
-    stride = _C.wire_chunk_bytes(bits, group_size, CODE[x.dtype], n)
-    if out is None:
-        out = torch.full((count * stride,), GARBAGE, dtype=torch.uint8, device=x.device)
-    lib.encode_chunks(x.data_ptr(), CODE[x.dtype], partition_elems, slice_begin, n, count,
-                      node_size, nodes, bits, group_size, out.data_ptr(), stride, *device,
-                      hadamard_size=hadamard)
-    return out, stride
-
-
 def ref_chunk_h(x: torch.Tensor, bits: int, group_size: int, size: int) -> torch.Tensor:
     """A chunk of the transformed values (the transform in fp32, then quantized)."""
     return ref_chunk(ref.hadamard(x.float(), size), bits, group_size)
@@ -205,8 +194,8 @@ def test_encode_matches_reference(dtype, bits, n, group_size, size):
     pe = slice_begin + n + 5
     x = make_values(count * pe, dtype, "normal", group_size, gen=generator("he", dtype, bits, n))
     x[::101] *= 40
-    got, stride = run_encode_h(x, pe, slice_begin, n, count, node_size, nodes, bits, group_size,
-                               size)
+    got, stride = run_encode(x, pe, slice_begin, n, count, node_size, nodes, bits, group_size,
+                             hadamard=size)
     want = torch.full_like(got, GARBAGE)
     for k in range(count):
         p = partition(k, node_size, nodes)
@@ -228,17 +217,6 @@ def sources_h(outputs, sources, n, bits, group_size, dtype, size, key):
     return buf, cb, sources * cb
 
 
-def decoded_sums(buf, outputs, sources, ss, os_, n, bits, group_size, dtype, divisor):
-    sums = []
-    for o in range(outputs):
-        acc = None
-        for s in range(sources):
-            y = decode_chunk(buf[o * os_ + s * ss:], bits, group_size, dtype, n)
-            acc = y if acc is None else acc + y
-        sums.append(acc / torch.full_like(acc, divisor) if divisor != 1.0 else acc)
-    return sums
-
-
 # (in bits, in hadamard, out): the domain rule of wire.h
 REDUCE_H = [(ib, ih, out) for ib in (4, 8) for ih in (0, 1)
             for out in ("wire4", "wire8", "wire0", "values")] + [
@@ -255,18 +233,9 @@ def test_reduce_follows_the_domains(in_bits, in_h, out_name, n, group_size, size
     out, kind = out_spec(out_name, dtype, n, group_size, outputs, torch.float16)
     out_bits = out[1] if out[0] == "wire" else 0
     out_size = size if out_bits else 0  # quantized outputs are in the Hadamard domain
-    if out[0] == "wire":
-        wire = torch.full((outputs * out[2],), GARBAGE, dtype=torch.uint8)
-        _C.reduce_chunks(buf.data_ptr(), in_bits, group_size, CODE[dtype], n, sources, ss,
-                         outputs, os_, divisor, wire.data_ptr(), out_bits, out[2], 0, 0, 0,
-                         0, 0, 0, in_hadamard=in_size, out_hadamard=out_size)
-        got = wire
-    else:
-        got = torch.full((outputs * out[2],), 7.0, dtype=out[1])
-        _C.reduce_chunks(buf.data_ptr(), in_bits, group_size, CODE[dtype], n, sources, ss,
-                         outputs, os_, divisor, 0, 0, 0, got.data_ptr(), CODE[out[1]], out[2],
-                         0, 0, 0, in_hadamard=in_size)
-    sums = decoded_sums(buf, outputs, sources, ss, os_, n, in_bits, group_size, dtype, divisor)
+    got = run_reduce(buf, in_bits, group_size, dtype, n, sources, ss, outputs, os_, divisor, out,
+                     in_hadamard=in_size, out_hadamard=out_size)
+    sums = reference_sum(buf, outputs, sources, ss, os_, n, in_bits, group_size, dtype, divisor)
     if in_size != out_size:  # one transform between the domains (it is its own inverse)
         sums = [ref.hadamard(s, size) for s in sums]
     want = expected_output(sums, kind, n, group_size, dtype, out[2])
@@ -403,3 +372,16 @@ def test_reduce_scatter_error_falls_with_hadamard():
     """2 nodes x 2, 8/4 bits, gradient-like data: Hadamard lowers the error."""
     for plain, smooth in run_ranks(4, _rs_gain_worker, timeout=60):
         assert smooth < 0.8 * plain, (plain, smooth)
+
+
+def _rs_mismatch_worker(rank, world):
+    g = qcoll.new_group(node_size=2)
+    out = torch.empty(256)
+    with pytest.raises(ValueError, match="ranks disagree on the call") as e:
+        qcoll.quantized_reduce_scatter(out, torch.ones(256 * world), g, hadamard=rank == 0)
+    return str(e.value)
+
+
+def test_reduce_scatter_ranks_disagreeing_on_hadamard_all_raise():
+    for msg in run_ranks(4, _rs_mismatch_worker, timeout=60):
+        assert "hadamard_size 256" in msg, msg
