@@ -80,6 +80,14 @@ struct ReduceArgs {
   Device device;
 };
 
+// The Hadamard transform a reduce applies between decoding and (re-)encoding (see below):
+// its block size where the input and output domains differ, 0 where they agree.
+inline int32_t reduce_hadamard_size(const ReduceArgs& a) {
+  const int32_t in = a.in_fmt.hadamard_size;
+  const int32_t out = a.out_wire ? a.out_fmt.hadamard_size : 0;
+  return in == out ? 0 : (in ? in : out);
+}
+
 // Rules both kernels check (ArgumentError) or assume:
 //  - wire buffers and strides are 4-byte aligned (fp32 scales; 32-bit atomics on the GPU);
 //  - with swizzle, count == node_size * nodes;

@@ -135,12 +135,6 @@ struct HadamardFill {
 };
 static_assert(kBlock % kMaxHadamardSize == 0, "blocks hold whole Hadamard blocks");
 
-// The transform between a reduce's input and output domains (wire.h): none when they agree.
-int reduce_hadamard(const WireFormat& in, int32_t out_hadamard) {
-  return in.hadamard_size == out_hadamard ? 0
-                                          : (in.hadamard_size ? in.hadamard_size : out_hadamard);
-}
-
 // Units of work: `per_item` groups or blocks of each of `items` chunks.
 struct Plan {
   int64_t per_item;
@@ -241,9 +235,7 @@ QCOLL_INLINE void reduce_unit(const ReduceArgs& a, const Plan& pl, int64_t u, fl
                               float* tmp) {
   const int64_t o = u / pl.per_item;
   const int64_t g = u % pl.per_item;
-  const HadamardFill<SumFill> fill{
-      SumFill{&a, o, tmp},
-      reduce_hadamard(a.in_fmt, a.out_wire ? a.out_fmt.hadamard_size : 0)};
+  const HadamardFill<SumFill> fill{SumFill{&a, o, tmp}, reduce_hadamard_size(a)};
   if (!a.out_wire) {
     const int64_t begin = g * kBlock;
     const int64_t k = std::min(kBlock, a.len - begin);

@@ -497,10 +497,7 @@ void reduce_chunks(const ReduceArgs& a) {
   DeviceGuard guard(a.device.index);
   const auto stream = static_cast<cudaStream_t>(a.device.stream);
   const SumLayout layout{a.input, a.source_stride, a.output_in_stride, a.sources, a.divisor};
-  // The transform between the input and output domains (wire.h): none when they agree.
-  const int out_hadamard = a.out_values ? 0 : a.out_fmt.hadamard_size;
-  const int hadamard = a.in_fmt.hadamard_size == out_hadamard
-                           ? 0 : (a.in_fmt.hadamard_size ? a.in_fmt.hadamard_size : out_hadamard);
+  const int hadamard = reduce_hadamard_size(a);
 
   // The output side, given the source.
   const auto run = [&](const auto& src) {
