@@ -23,6 +23,17 @@ void validate(const QuantSpec& spec) {
   QCOLL_ARG_CHECK(spec.rounding == Rounding::kNearest || spec.rounding == Rounding::kStochastic,
                   "rounding must be nearest (0) or stochastic (1), got ",
                   static_cast<int>(spec.rounding));
+  validate_hadamard(spec.hadamard_size, spec.group_size);
+}
+
+void validate_hadamard(int64_t hadamard_size, int64_t group_size) {
+  if (hadamard_size == 0) return;
+  QCOLL_ARG_CHECK(hadamard_size >= kMinHadamardSize && hadamard_size <= kMaxHadamardSize &&
+                      (hadamard_size & (hadamard_size - 1)) == 0 &&
+                      group_size % hadamard_size == 0,
+                  "hadamard_size must be 0 (off) or a power of two from ", kMinHadamardSize,
+                  " to ", kMaxHadamardSize, " that divides group_size ", group_size, ", got ",
+                  hadamard_size);
 }
 
 using detail::check_device;
@@ -47,6 +58,7 @@ void dequantize(const DequantizeArgs& a) {
   spec.format = a.format;
   spec.group_size = a.group_size;
   spec.symmetric = a.symmetric;
+  spec.hadamard_size = a.hadamard_size;
   validate(spec);
   QCOLL_ARG_CHECK(a.n >= 0, "numel must be >= 0, got ", a.n);
   QCOLL_ARG_CHECK(dtype_valid(static_cast<int32_t>(a.dtype)), "output dtype must be float32, "

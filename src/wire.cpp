@@ -23,8 +23,12 @@ void validate(const WireFormat& fmt) {
     QuantSpec spec;
     spec.format = fmt.format;
     spec.group_size = fmt.group_size;
+    spec.hadamard_size = fmt.hadamard_size;
     validate(spec);
   }
+  QCOLL_ARG_CHECK(fmt.quantized() || fmt.hadamard_size == 0,
+                  "hadamard_size needs quantized chunks (bits 4 or 8), got bits 0 and "
+                  "hadamard_size ", fmt.hadamard_size);
   const int32_t raw = static_cast<int32_t>(fmt.raw_dtype);
   QCOLL_ARG_CHECK(fmt.quantized() ? dtype_valid(raw) : raw_dtype_valid(raw),
                   "wire dtype must be float32, float16 or bfloat16 (code 0-2)",
@@ -95,6 +99,10 @@ void reduce_chunks(const ReduceArgs& a) {
                         a.in_fmt.group_size == a.out_fmt.group_size,
                     "reduce: quantized input and output chunks must have the same group_size, "
                     "got ", a.in_fmt.group_size, " and ", a.out_fmt.group_size);
+    QCOLL_ARG_CHECK(!a.in_fmt.hadamard_size || !a.out_fmt.hadamard_size ||
+                        a.in_fmt.hadamard_size == a.out_fmt.hadamard_size,
+                    "reduce: input and output chunks must have the same hadamard_size (or "
+                    "one 0), got ", a.in_fmt.hadamard_size, " and ", a.out_fmt.hadamard_size);
   } else {
     QCOLL_ARG_CHECK(dtype_valid(static_cast<int32_t>(a.out_dtype)), "reduce: out dtype must "
                     "be float32, float16 or bfloat16 (code 0-2), got code ",

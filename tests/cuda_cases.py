@@ -127,7 +127,7 @@ class Backend:
         """(codes, scales, offsets or None) of x, in kernel memory."""
         raise NotImplementedError
 
-    def dequantize(self, codes, scales, offsets, n, bits, group_size, dtype):
+    def dequantize(self, codes, scales, offsets, n, bits, group_size, dtype, hadamard_size=0):
         raise NotImplementedError
 
     def sync(self):
@@ -190,9 +190,9 @@ class GpuBackend(Backend):
         assert q.data.device == x.device and q.scales.device == x.device
         return q.data, q.scales, q.offsets
 
-    def dequantize(self, codes, scales, offsets, n, bits, group_size, dtype):
+    def dequantize(self, codes, scales, offsets, n, bits, group_size, dtype, hadamard_size=0):
         q = qcoll.QuantizedTensor(codes, scales, offsets, (n,), dtype, ref.format_name(bits),
-                                  group_size)
+                                  group_size, hadamard_size)
         y = qcoll.dequantize(q, dtype=dtype)
         assert y.device == codes.device
         return y
@@ -217,7 +217,7 @@ def check_quantize(be: Backend, x: torch.Tensor, *, shift=0, out_dtypes=(None,),
         # Decode the CPU's codes, so dequantize is checked on its own.
         y = be.dequantize(be.place(q.data), be.place(q.scales),
                           None if q.offsets is None else be.place(q.offsets), x.numel(),
-                          q.format, q.group_size, dtype or x.dtype)
+                          q.format, q.group_size, dtype or x.dtype, q.hadamard_size)
         be.same_values(y, qcoll.dequantize(q, dtype=dtype).reshape(-1), f"dequantize {dtype}")
 
 
@@ -233,49 +233,54 @@ def hard_values(dtype, bits, symmetric, kind):
 
 
 def check_encode(be: Backend, x, partition_elems, slice_begin, n, count, node_size, nodes, bits,
-                 gs, x_shift=0, out_shift=0):
+                 gs, x_shift=0, out_shift=0, hadamard=0):
     args = (partition_elems, slice_begin, n, count, node_size, nodes, bits, gs)
-    want, stride = run_encode(x, *args)
+    want, stride = run_encode(x, *args, hadamard=hadamard)
     out = be.place(torch.full((count * stride,), GARBAGE, dtype=torch.uint8), out_shift)
     run_encode(be.place(x, x_shift), *args, stride=stride, device=be.device_args(), out=out,
-               lib=be.lib)
+               lib=be.lib, hadamard=hadamard)
     be.same_bytes(out, want, f"encode {args}")
 
 
-def check_encode_case(be: Backend, dtype, bits, n, group_size):
+def check_encode_case(be: Backend, dtype, bits, n, group_size, hadamard=0):
     for t, (node_size, nodes, count) in enumerate(TOPOLOGIES):
         for slice_begin, x_shift in [(0, 0), (3, 0), (8, 4)]:  # aligned; odd slice; odd base
             partition_elems = slice_begin + n + (0 if t % 2 else 5)
             x = make_values(count * partition_elems, dtype, "normal", group_size,
                             gen=generator("cuda-enc", dtype, bits, n, group_size, t))
+            if hadamard:
+                x[::97] *= 40  # outliers to smooth
             check_encode(be, x, partition_elems, slice_begin, n, count, node_size, nodes, bits,
-                         group_size, x_shift=x_shift, out_shift=4 if slice_begin else 0)
+                         group_size, x_shift=x_shift, out_shift=4 if slice_begin else 0,
+                         hadamard=hadamard)
 
 
-def check_encode_big(be: Backend, dtype, bits, cases=ENCODE_BIG):
+def check_encode_big(be: Backend, dtype, bits, cases=ENCODE_BIG, hadamard=0):
     for n, gs, count, node_size, nodes in cases:
         x = make_values(count * n, dtype, "wide", gs)
         x[32:48] = 0.0
         x[64:80] = -0.0
         x[100] = float("nan")
         x[min(200, n - 1)] = float("inf")
-        check_encode(be, x, n, 0, n, count, node_size, nodes, bits, gs)
+        check_encode(be, x, n, 0, n, count, node_size, nodes, bits, gs,
+                     hadamard=min(hadamard, gs & -gs))
 
 
 def check_reduce(be: Backend, buf, in_bits, gs, dtype, n, sources, ss, outputs, os_, divisor,
-                 out, buf_shift=0, out_shift=0):
-    want = run_reduce(buf, in_bits, gs, dtype, n, sources, ss, outputs, os_, divisor, out)
+                 out, buf_shift=0, out_shift=0, in_hadamard=0, out_hadamard=0):
+    h = dict(in_hadamard=in_hadamard, out_hadamard=out_hadamard)
+    want = run_reduce(buf, in_bits, gs, dtype, n, sources, ss, outputs, os_, divisor, out, **h)
     bd = be.place(buf, buf_shift)
-    what = f"reduce in {in_bits} out {out} {sources}x{outputs} /{divisor}"
+    what = f"reduce in {in_bits} out {out} {sources}x{outputs} /{divisor} hadamard {h}"
     if out[0] == "wire":
         dst = be.place(torch.full((outputs * out[2],), GARBAGE, dtype=torch.uint8), out_shift)
         run_reduce(bd, in_bits, gs, dtype, n, sources, ss, outputs, os_, divisor, out,
-                   device=be.device_args(), out_wire=dst, lib=be.lib)
+                   device=be.device_args(), out_wire=dst, lib=be.lib, **h)
         be.same_bytes(dst, want, what)
     else:
         dst = be.place(torch.full((outputs * out[2],), 7.0, dtype=out[1]), out_shift)
         run_reduce(bd, in_bits, gs, dtype, n, sources, ss, outputs, os_, divisor, out,
-                   device=be.device_args(), out_values=dst, lib=be.lib)
+                   device=be.device_args(), out_values=dst, lib=be.lib, **h)
         be.same_values(dst, want, what)
 
 
@@ -345,3 +350,62 @@ def check_past_grid_cap(be: Backend, kernel, dtype, bits, group_size, n):
     be.same_values(scales, q.scales, "scales")
     covers_both_ends(be, codes, "codes")
     covers_both_ends(be, scales, "scales")
+
+
+# ---- Hadamard smoothing, fused into every kernel ------------------------------------------------
+# (dtype, bits, symmetric, group size, hadamard size, numel, rounding): blocks across lanes
+# (shuffles) and across a lane's registers (group 64 = 2 lanes of 4 packets), whole blocks
+# and partial tails, the split path (group 65536).
+_HQ = [(d, b, s, gs, h, n, r, seed) for d in DTYPES
+       for b, s in ((4, True), (8, True), (8, False), (ref.FP8, True))
+       for gs, h in ((8, 8), (24, 8), (64, 64), (256, 32), (256, 256), (65536, 128))
+       for n in ((7, 20011) if gs == 65536 else (7, 4103))
+       for r, seed in (MODES[:2] if b == 4 else MODES[:1])]
+HADAMARD_QUANTIZE = _params(_HQ, [(_dt(d), b, "sym" if s else "asym", gs, h, n,
+                                   "stoch0" if r == "stochastic" else "nearest")
+                                  for d, b, s, gs, h, n, r, seed in _HQ])
+
+# (dtype, bits, n, group size, hadamard size), every topology of check_encode_case.
+_HE = [(d, b, n, gs, h) for d in DTYPES for b in (4, 8, ref.FP8)
+       for n, gs, h in ((13, 8, 8), (1000, 24, 8), (1000, 64, 64), (1000, 256, 256))]
+HADAMARD_ENCODE = _params(_HE, [(_dt(d), b, n, gs, h) for d, b, n, gs, h in _HE])
+
+# (in bits, in hadamard, out, out hadamard, n, group size, hadamard size): every pair of
+# domains (wire.h): forward, inverse, or none (sums of transformed values, re-encoded).
+_HR = [(ib, ih, o, oh, n, gs, h)
+       for ib, ih in ((4, 1), (8, 1), (8, 0), (0, 0))
+       for o, oh in (("wire4", 1), ("wire8", 1), ("wire4", 0), ("wire0", 0), ("values", 0))
+       if ih or oh
+       for n, gs, h in ((13, 8, 8), (1000, 64, 64), (1000, 256, 256), (9001, 4096, 256))]
+HADAMARD_REDUCE = _params(_HR, [(ib, f"h{ih}", o, f"h{oh}", n, gs, h)
+                                for ib, ih, o, oh, n, gs, h in _HR])
+
+
+def check_quantize_hadamard(be: Backend, dtype, bits, symmetric, group_size, size, n, rounding,
+                            seed):
+    x = make_values(n, dtype, "normal", group_size, bits, symmetric)
+    x[::97] *= 40  # outliers to smooth
+    check_quantize(be, x, bits=bits, group_size=group_size, symmetric=symmetric,
+                   rounding=rounding, seed=seed, hadamard=True, hadamard_size=size,
+                   out_dtypes=(None, torch.float32))
+
+
+def check_quantize_hadamard_hard(be: Backend, dtype, bits, symmetric, kind):
+    """Subnormals to the dtype's max (sums past fp32's range: non-finite groups), zeros,
+    NaN/Inf, with blocks of a group's size."""
+    check_quantize(be, hard_values(dtype, bits, symmetric, kind), bits=bits, group_size=16,
+                   symmetric=symmetric, hadamard=True, hadamard_size=16,
+                   out_dtypes=(None,) + tuple(DTYPES))
+
+
+def check_reduce_hadamard(be: Backend, in_bits, in_h, out_name, out_h, n, group_size, size):
+    for i, (sources, outputs, divisor, dtype, source_major, slack) in enumerate(REDUCE_CASES[:3]):
+        buf, ss, os_ = make_sources(outputs, sources, n, in_bits, group_size, dtype,
+                                    source_major, slack, ("cuda-h", in_bits, n, group_size, i),
+                                    nan_at=(0, sources - 1, n // 2) if i == 2 else None)
+        out, _ = out_spec(out_name, dtype, n, group_size, outputs, DTYPES[i % 3])
+        h = dict(in_hadamard=size if in_h else 0, out_hadamard=size if out_h else 0)
+        check_reduce(be, buf, in_bits, group_size, dtype, n, sources, ss, outputs, os_, divisor,
+                     out, **h)
+        check_reduce(be, buf, in_bits, group_size, dtype, n, sources, ss, outputs, os_, divisor,
+                     out, buf_shift=4, out_shift=4, **h)

@@ -10,6 +10,8 @@ import os
 
 import torch
 
+import qcoll.quantization
+
 import cuda_cases as cases
 import reference as ref
 from test_wire import CODE, GARBAGE, wire_code
@@ -68,23 +70,26 @@ class EmuBackend(cases.Backend):
         return garbage(nbytes, dtype)
 
     def quantize(self, x, *, bits=8, group_size=None, symmetric=True, rounding="nearest",
-                 seed=None):
+                 seed=None, hadamard=False, hadamard_size=None):
         gs, n = group_size or 256, x.numel()
+        hs = qcoll.quantization.check_hadamard(hadamard, hadamard_size, gs)
         groups = -(-n // gs)
         codes = self.output(-(-n * ref.width(bits) // 8))
         scales = self.output(4 * groups, torch.float32)
         offsets = None if symmetric else self.output(4 * groups, torch.float32)
         EMU.quantize(x.data_ptr(), CODE[x.dtype], n, wire_code(bits), gs, symmetric, ROUNDING[rounding],
                      seed or 0, 0, codes.data_ptr(), scales.data_ptr(),
-                     0 if offsets is None else offsets.data_ptr(), *self.device_args())
+                     0 if offsets is None else offsets.data_ptr(), *self.device_args(),
+                     hadamard_size=hs)
         self.writes = EMU.last_call()["writes"]
         return codes, scales, offsets
 
-    def dequantize(self, codes, scales, offsets, n, bits, group_size, dtype):
+    def dequantize(self, codes, scales, offsets, n, bits, group_size, dtype, hadamard_size=0):
         out = self.output(n * torch.finfo(dtype).bits // 8, dtype)
         EMU.dequantize(codes.data_ptr(), scales.data_ptr(),
                        0 if offsets is None else offsets.data_ptr(), n, wire_code(bits), group_size,
-                       offsets is None, out.data_ptr(), CODE[dtype], *self.device_args())
+                       offsets is None, out.data_ptr(), CODE[dtype], *self.device_args(),
+                       hadamard_size=hadamard_size)
         self.writes = EMU.last_call()["writes"]
         return out
 

@@ -76,6 +76,22 @@ MUTATIONS = [
      "    const Unit unit = unit_at<P>(q, first + team);\n",
      "    const Unit unit = unit_at<P>(q, first + team);\n    if (unit.begin >= unit.end) return;\n",
      "threads of an empty team return before the team's shuffles and barriers"),
+    ("hadamard-shuffle-sign", "src/cuda/quant_team.cuh",
+     "math::butterfly(p[j].x[k], partner, upper)",
+     "math::butterfly(partner, p[j].x[k], upper)",
+     "the upper element of a cross-lane Hadamard pair gets upper - lower"),
+    ("hadamard-register-pair", "src/cuda/quant_team.cuh",
+     "p[j + s].x[k] = math::sub(lo, hi);",
+     "p[j + s].x[k] = math::sub(hi, lo);",
+     "the upper element of a Hadamard pair held in one lane's registers gets upper - lower"),
+    ("hadamard-partial-block", "src/cuda/quant_team.cuh",
+     "return size > 0 && e / size * size + size <= len;",
+     "return size > 0 && e < len;",
+     "a run's partial last Hadamard block is transformed too"),
+    ("hadamard-unpadded-runs", "src/cuda/wire.cu",
+     "const int64_t per_block = r.hadamard ? r.hadamard / kPacket : 1;",
+     "const int64_t per_block = 1;",
+     "elementwise runs not padded to whole blocks: a block's packets straddle runs and warps"),
 ]
 
 

@@ -89,3 +89,31 @@ def test_emu_reduce_one_to_eight_sources(emu, in_bits, out_name, sources):
 @pytest.mark.parametrize("in_bits", cases.WIRE_BITS)
 def test_emu_reduce_big_groups_and_many_outputs(emu, in_bits, out_name):
     cases.check_reduce_big(emu, in_bits, out_name)
+
+
+@pytest.mark.parametrize("dtype,bits,symmetric,group_size,size,n,rounding,seed",
+                         cases.HADAMARD_QUANTIZE)
+def test_emu_quantize_hadamard(emu, dtype, bits, symmetric, group_size, size, n, rounding, seed):
+    cases.check_quantize_hadamard(emu, dtype, bits, symmetric, group_size, size, n, rounding, seed)
+
+
+@pytest.mark.parametrize("kind", ["wide", "grid"])
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (8, False)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_emu_quantize_hadamard_hard_values(emu, dtype, bits, symmetric, kind):
+    cases.check_quantize_hadamard_hard(emu, dtype, bits, symmetric, kind)
+
+
+@pytest.mark.parametrize("dtype,bits,n,group_size,size", cases.HADAMARD_ENCODE)
+def test_emu_encode_hadamard(emu, dtype, bits, n, group_size, size):
+    cases.check_encode_case(emu, dtype, bits, n, group_size, hadamard=size)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_emu_encode_hadamard_big_groups(emu, bits):
+    cases.check_encode_big(emu, cases.DTYPES[2], bits, hadamard=256)
+
+
+@pytest.mark.parametrize("in_bits,in_h,out_name,out_h,n,group_size,size", cases.HADAMARD_REDUCE)
+def test_emu_reduce_hadamard(emu, in_bits, in_h, out_name, out_h, n, group_size, size):
+    cases.check_reduce_hadamard(emu, in_bits, in_h, out_name, out_h, n, group_size, size)

@@ -51,6 +51,19 @@ def test_cuda_matches_cpu_hard_values(dtype, bits, symmetric, rounding, seed, ki
                          out_dtypes=(None,) + tuple(DTYPES))
 
 
+@pytest.mark.parametrize("dtype,bits,symmetric,group_size,size,n,rounding,seed",
+                         cases.HADAMARD_QUANTIZE)
+def test_cuda_matches_cpu_hadamard(dtype, bits, symmetric, group_size, size, n, rounding, seed):
+    cases.check_quantize_hadamard(GPU, dtype, bits, symmetric, group_size, size, n, rounding, seed)
+
+
+@pytest.mark.parametrize("kind", ["wide", "grid"])
+@pytest.mark.parametrize("bits,symmetric", [(4, True), (8, False)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_matches_cpu_hadamard_hard_values(dtype, bits, symmetric, kind):
+    cases.check_quantize_hadamard_hard(GPU, dtype, bits, symmetric, kind)
+
+
 @pytest.mark.parametrize("bits,symmetric,dtype,group_size,rounding,seed", cases.QUANTIZE_LARGE)
 def test_cuda_matches_cpu_large(bits, symmetric, dtype, group_size, rounding, seed):
     x = make_values(cases.LARGE_N, dtype, "normal", group_size, bits, symmetric)

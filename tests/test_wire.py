@@ -76,14 +76,16 @@ def decode_chunk(chunk: torch.Tensor, bits: int, group_size: int, dtype: torch.d
 
 # ---- encode -----------------------------------------------------------------------------------
 def run_encode(x, partition_elems, slice_begin, n, count, node_size, nodes, bits, group_size,
-               stride=None, device=CPU, out=None, lib=_C):
-    """lib: the module whose kernels run (qcoll._C, or the CUDA emulator's)."""
+               stride=None, device=CPU, out=None, lib=_C, hadamard=0):
+    """lib: the module whose kernels run (qcoll._C, or the CUDA emulator's); hadamard: the
+    chunks' hadamard_size."""
     stride = stride if stride is not None else _C.wire_chunk_bytes(wire_code(bits), group_size,
                                                                    CODE[x.dtype], n)
     if out is None:
         out = torch.full((count * stride,), GARBAGE, dtype=torch.uint8, device=x.device)
     lib.encode_chunks(x.data_ptr(), CODE[x.dtype], partition_elems, slice_begin, n, count,
-                     node_size, nodes, wire_code(bits), group_size, out.data_ptr(), stride, *device)
+                     node_size, nodes, wire_code(bits), group_size, out.data_ptr(), stride, *device,
+                     hadamard_size=hadamard)
     return out, stride
 
 
@@ -178,9 +180,10 @@ def reference_sum(buf, outputs, sources, source_stride, output_stride, n, bits, 
 
 
 def run_reduce(buf, in_bits, group_size, dtype, n, sources, source_stride, outputs,
-               output_stride, divisor, out, device=CPU, out_wire=None, out_values=None, lib=_C):
+               output_stride, divisor, out, device=CPU, out_wire=None, out_values=None, lib=_C,
+               in_hadamard=0, out_hadamard=0):
     """out: ("wire", bits, stride) or ("values", dtype, stride in elements); lib as in
-    run_encode."""
+    run_encode; in/out_hadamard: the chunks' hadamard_size."""
     dev = buf.device
     if out[0] == "wire":
         _, out_bits, stride = out
@@ -188,14 +191,15 @@ def run_reduce(buf, in_bits, group_size, dtype, n, sources, source_stride, outpu
             out_wire = torch.full((outputs * stride,), GARBAGE, dtype=torch.uint8, device=dev)
         lib.reduce_chunks(buf.data_ptr(), wire_code(in_bits), group_size, CODE[dtype], n, sources,
                          source_stride, outputs, output_stride, divisor, out_wire.data_ptr(),
-                         wire_code(out_bits), stride, 0, 0, 0, *device)
+                         wire_code(out_bits), stride, 0, 0, 0, *device, in_hadamard=in_hadamard,
+                         out_hadamard=out_hadamard)
         return out_wire
     _, out_dtype, stride = out
     if out_values is None:
         out_values = torch.full((outputs * stride,), 7.0, dtype=out_dtype, device=dev)
     lib.reduce_chunks(buf.data_ptr(), wire_code(in_bits), group_size, CODE[dtype], n, sources,
                      source_stride, outputs, output_stride, divisor, 0, 0, 0, out_values.data_ptr(),
-                     CODE[out_dtype], stride, *device)
+                     CODE[out_dtype], stride, *device, in_hadamard=in_hadamard)
     return out_values
 
 

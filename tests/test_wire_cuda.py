@@ -59,6 +59,21 @@ def test_reduce_cuda_big_groups_and_many_outputs(in_bits, out_name):
     cases.check_reduce_big(GPU, in_bits, out_name)
 
 
+@pytest.mark.parametrize("dtype,bits,n,group_size,size", cases.HADAMARD_ENCODE)
+def test_encode_cuda_hadamard(dtype, bits, n, group_size, size):
+    cases.check_encode_case(GPU, dtype, bits, n, group_size, hadamard=size)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_encode_cuda_hadamard_big_groups(bits):
+    cases.check_encode_big(GPU, DTYPES[2], bits, hadamard=256)
+
+
+@pytest.mark.parametrize("in_bits,in_h,out_name,out_h,n,group_size,size", cases.HADAMARD_REDUCE)
+def test_reduce_cuda_hadamard(in_bits, in_h, out_name, out_h, n, group_size, size):
+    cases.check_reduce_hadamard(GPU, in_bits, in_h, out_name, out_h, n, group_size, size)
+
+
 # ---- CUDA behaviour ----------------------------------------------------------------------------------
 def test_wire_cuda_runs_on_the_given_stream():
     n, gs, count = 1 << 16, 256, 4

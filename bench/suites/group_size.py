@@ -3,7 +3,11 @@
 For each group size and code format (int8, int4, fp8_e4m3): relative RMS error and max
 error (in units of the tensor's RMS) of a round trip on two inputs (Gaussian, and Gaussian
 with 0.1% outliers of 50x, the shape of real gradients), and the scale overhead in bytes
-per element."""
+per element.
+
+`hadamard_rows`: the same round trips at int4 and int8 with Hadamard smoothing (SDP4Bit's
+TLq-HS) at every block size up to the group size (0: without), the table behind
+qcoll.quantization.DEFAULT_HADAMARD_SIZE."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import qcoll
 from qcoll._formats import FORMATS
 
 GROUP_SIZES = [32, 64, 128, 256, 512, 1024, 4096]
+HADAMARD_GROUP_SIZES = [64, 256, 1024]
+HADAMARD_SIZES = [0, 16, 32, 64, 128, 256]
 
 
 def _inputs(n: int) -> dict:
@@ -41,7 +47,23 @@ def run(quick: bool, progress) -> dict:
                                  max_error_rms=(err.abs().max() / rms).item(),
                                  overhead=4 * 8 / (gs * bits)))  # scale bits per code bit
         progress.advance(task)
-    return {"rows": rows, "numel": n}
+    hadamard_rows = []
+    task = progress.add_task("hadamard sizes", total=len(HADAMARD_GROUP_SIZES))
+    for gs in HADAMARD_GROUP_SIZES:
+        for bits in (4, 8):
+            for h in (h for h in HADAMARD_SIZES if h <= gs):
+                for name, x in inputs.items():
+                    hadamard_rows.append(dict(group_size=gs, bits=bits, hadamard_size=h,
+                                              input=name, rel_rms_error=_rel_error(x, bits, gs, h)))
+        progress.advance(task)
+    return {"rows": rows, "hadamard_rows": hadamard_rows, "numel": n}
+
+
+def _rel_error(x, bits: int, group_size: int, hadamard_size: int) -> float:
+    """Relative RMS error of a round trip (hadamard_size 0: without smoothing)."""
+    kw = dict(hadamard=True, hadamard_size=hadamard_size) if hadamard_size else {}
+    y = qcoll.dequantize(qcoll.quantize(x, bits=bits, group_size=group_size, **kw))
+    return ((y - x).float().pow(2).mean().sqrt() / x.pow(2).mean().sqrt()).item()
 
 
 def table(result: dict) -> list:
@@ -54,6 +76,15 @@ def table(result: dict) -> list:
         g, o = d["gaussian"], d["outliers"]
         lines.append(f"{gs:6d} {fmt:>8} {g['overhead']:9.2%} {g['rel_rms_error']:10.2e} "
                      f"{o['rel_rms_error']:10.2e} {g['max_error_rms']:10.2e} {o['max_error_rms']:10.2e}")
+    lines.append("")
+    lines.append(f"{'group':>6} {'bits':>4} {'hadamard':>9} {'gaussian':>10} {'outliers':>10}   "
+                 "(relative RMS error; hadamard 0: without)")
+    by_key = {}
+    for r in result.get("hadamard_rows", []):
+        by_key.setdefault((r["group_size"], r["bits"], r["hadamard_size"]), {})[r["input"]] = r
+    for (gs, bits, h), d in by_key.items():
+        lines.append(f"{gs:6d} {bits:4d} {h:9d} {d['gaussian']['rel_rms_error']:10.2e} "
+                     f"{d['outliers']['rel_rms_error']:10.2e}")
     return lines
 
 

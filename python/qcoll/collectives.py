@@ -21,7 +21,7 @@ from ._dtypes import BYTES_CODE, DTYPE_CODES, dtype_code
 from ._formats import RAW_CODE, format_code
 from .group import Group, resolve_group
 from .error_feedback import check_error_feedback, compensate_first_hop
-from .quantization import check_group_size
+from .quantization import check_group_size, check_hadamard
 
 OPS = dict(_C.OPS)  # name -> the core's ReduceOp code
 # Smallest pipeline stage (input bytes of one partition's slice) worth its exchanges;
@@ -161,9 +161,9 @@ def _allgather_plan(size, n, code, wire_format, group_size, headers):
 
 @functools.lru_cache(maxsize=1024)
 def _reduce_scatter_plan(size, node_size, n, code, intra, inter, group_size, stages, hierarchical,
-                         headers, min_stage_bytes):
+                         headers, min_stage_bytes, hadamard_size):
     return _C.plan_reduce_scatter(size, node_size, n, code, intra, inter, group_size, stages,
-                                  hierarchical, headers, min_stage_bytes)
+                                  hierarchical, headers, min_stage_bytes, hadamard_size)
 
 
 def _check_op(op) -> str:
@@ -200,7 +200,8 @@ def _allgather_core(g: Group, n: int, code: int, bits, group_size: int, device: 
 
 
 def _reduce_scatter_core(g: Group, n: int, code: int, op: str, intra_bits, inter_bits,
-                         group_size: int, stages: int, hierarchical, device: torch.device):
+                         group_size: int, stages: int, hierarchical, device: torch.device,
+                         hadamard_size: int = 0):
     """The plan of one reduce-scatter with n output elements per rank over g, its run (as
     _allgather_core's, plus the lane stream of a CUDA call) and the call's other
     communicators (the 2-hop's intra and inter; see _run's extra_comms). g.intra and g.inter
@@ -208,7 +209,7 @@ def _reduce_scatter_core(g: Group, n: int, code: int, op: str, intra_bits, inter
     hier = -1 if hierarchical is None else int(hierarchical)
     plan = _reduce_scatter_plan(g.size, g.node_size, n, code, _check_bits(intra_bits, "intra_bits"),
                                 _check_bits(inter_bits, "inter_bits"), group_size, stages, hier,
-                                device.type == "cpu", _MIN_STAGE_BYTES)
+                                device.type == "cpu", _MIN_STAGE_BYTES, hadamard_size)
     intra_comm = g.intra.communicator(device) if plan.two_hop else None
     inter_comm = g.inter.communicator(device) if plan.two_hop else None
     op_code = OPS[op]
@@ -266,6 +267,7 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
                              intra_bits=8, inter_bits=4,
                              group_size: Optional[int] = None, pipeline_stages: Optional[int] = None,
                              hierarchical: Optional[bool] = None, error_feedback=None,
+                             hadamard: bool = False, hadamard_size: Optional[int] = None,
                              async_op: bool = False):
     """reduce_scatter_tensor semantics: rank r's output = op over ranks of
     input[r*n:(r+1)*n], n = output.numel(). op: "avg" (true mean) or "sum"; reduced in fp32.
@@ -281,6 +283,12 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     error_feedback: a qcoll.ErrorFeedback kept for this input: the residual of this rank's
     previous first-hop encode is added to the input before encoding (the input itself is
     left unchanged) and the new residual is kept (see qcoll.error_feedback).
+
+    hadamard=True (SDP4Bit's TLq-HS): the quantized hops carry the codes of Hadamard-smoothed
+    values (blocks of hadamard_size, as qcoll.quantize), fused into the kernels: the sender
+    transforms, the partial sums between the hops stay in the transformed domain, and the
+    final decode transforms back. Raw hops (bits=None) carry plain values; with both bits
+    None it is an error.
     """
     size = _group_size(group)
     n = output.numel() if isinstance(output, torch.Tensor) else 0
@@ -289,14 +297,18 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     intra = _check_bits(intra_bits, "intra_bits")
     inter = _check_bits(inter_bits, "inter_bits")
     group_size = check_group_size(group_size)
+    hadamard_size = check_hadamard(hadamard, hadamard_size, group_size)
+    if hadamard_size and intra == RAW_CODE and inter == RAW_CODE:
+        raise ValueError("hadamard=True needs a quantized hop (intra_bits or inter_bits not None)")
     stages = _check_stages(pipeline_stages)
     _check_hierarchical(hierarchical)
     check_error_feedback(error_feedback)
     g = resolve_group(group)
     _debug_check(g, ("quantized_reduce_scatter", n, input.numel(), str(input.dtype), op, intra,
-                     inter, group_size, stages, hierarchical, error_feedback is not None))
+                     inter, group_size, stages, hierarchical, error_feedback is not None,
+                     hadamard_size))
     plan, run, extra_comms = _reduce_scatter_core(g, n, code, op, intra_bits, inter_bits, group_size,
-                                                  stages, hierarchical, input.device)
+                                                  stages, hierarchical, input.device, hadamard_size)
     first = first_hop_bits(g, plan.two_hop, intra_bits, inter_bits)
     ef = None
     if error_feedback is not None and first is not None:
@@ -310,7 +322,7 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
             source, _ = _carve(workspace, plan.workspace_bytes, input.numel(), input.dtype)
             source.copy_(input.reshape(-1))
             compensate_first_hop(source, residual, first, group_size, g.size, n, plan.stages,
-                                 plan.slice)
+                                 plan.slice, hadamard_size)
             g._buffers.set(source, output, workspace)
         run(comm, kind, index, stream, workspace, traffic, sequence, source, output,
             lane_stream=lane_stream)

@@ -84,10 +84,11 @@ def check_error_feedback(error_feedback) -> None:
 
 
 def _decode_first_hop(send: torch.Tensor, bits, group_size: int, world: int, n: int, stages: int,
-                      slice_len: int) -> torch.Tensor:
+                      slice_len: int, hadamard_size: int = 0) -> torch.Tensor:
     """What the receivers of a reduce-scatter's first encode decode (fp32): the input holds
     `world` partitions of n elements; stage s encodes elements [s * slice_len, ...) of every
-    partition as one chunk whose groups start at the slice's start (wire.h)."""
+    partition as one chunk whose groups (and Hadamard blocks) start at the slice's start
+    (wire.h)."""
     from .quantization import dequantize, quantize  # the same codec as the wire's
 
     rows = send.view(world, n)
@@ -98,23 +99,32 @@ def _decode_first_hop(send: torch.Tensor, bits, group_size: int, world: int, n: 
         if length <= 0:
             continue
         block = rows[:, begin:begin + length]
+        if hadamard_size and length % hadamard_size:
+            # A partial last block stays untransformed on the wire: code each chunk alone.
+            for r in range(world):
+                q = quantize(block[r].contiguous(), bits=bits, group_size=group_size, hadamard=True,
+                             hadamard_size=hadamard_size)
+                decoded[r, begin:begin + length] = dequantize(q, dtype=torch.float32)
+            continue
         padded = -(-length // group_size) * group_size
         if padded != length or not block.is_contiguous():
             # Zeros change no group's absmax, so every group is quantized as on the wire.
             block = torch.nn.functional.pad(block, (0, padded - length))
-        q = quantize(block, bits=bits, group_size=group_size)
+        q = quantize(block, bits=bits, group_size=group_size, hadamard=bool(hadamard_size),
+                     hadamard_size=hadamard_size or None)
         decoded[:, begin:begin + length] = dequantize(q, dtype=torch.float32)[:, :length]
     return decoded.view(-1)
 
 
 def compensate_first_hop(send: torch.Tensor, residual: torch.Tensor, bits, group_size: int,
-                         world: int, n: int, stages: int, slice_len: int) -> None:
+                         world: int, n: int, stages: int, slice_len: int,
+                         hadamard_size: int = 0) -> None:
     """send (the buffer the first hop encodes) += residual; residual = what the encode of
     the compensated values loses (including their rounding to send's dtype)."""
     wanted = send.float().add_(residual)
     send.copy_(wanted)
-    torch.sub(wanted, _decode_first_hop(send, bits, group_size, world, n, stages, slice_len),
-              out=residual)
+    torch.sub(wanted, _decode_first_hop(send, bits, group_size, world, n, stages, slice_len,
+                                        hadamard_size), out=residual)
 
 
 def compensate_shard(shard: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

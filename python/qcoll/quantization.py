@@ -23,6 +23,13 @@ DEFAULT_GROUP_SIZE = 256
 GROUP_SIZE_MULTIPLE = _C.GROUP_SIZE_MULTIPLE
 MAX_GROUP_SIZE = _C.MAX_GROUP_SIZE
 ROUNDING_MODES = dict(_C.ROUNDINGS)  # name -> the core's Rounding code
+# Hadamard smoothing (hadamard=True): blocks of this many elements, or of the largest power
+# of two dividing group_size when that is smaller. Chosen from the int4 error table in
+# README.md ("Hadamard smoothing"): the error on outlier-heavy data falls with the block
+# size up to the largest the kernels take.
+DEFAULT_HADAMARD_SIZE = 256
+MIN_HADAMARD_SIZE = _C.MIN_HADAMARD_SIZE
+MAX_HADAMARD_SIZE = _C.MAX_HADAMARD_SIZE
 _SEED_LIMIT = 1 << 64
 
 
@@ -37,6 +44,8 @@ class QuantizedTensor:
     shape, dtype: the original tensor's.
     format:   the code format, "int8", "int4" or "fp8_e4m3" (8 and 4 are read as int8 and
               int4); ``bits`` is the width of one code.
+    hadamard_size: 0, or the block size of the Hadamard transform the codes were taken
+              after (the scales are of the transformed values).
     """
 
     data: torch.Tensor
@@ -46,6 +55,7 @@ class QuantizedTensor:
     dtype: torch.dtype
     format: str
     group_size: int
+    hadamard_size: int = 0  # codes of Hadamard-smoothed values (0: off); dequantize inverts
 
     def __post_init__(self):
         # A hand-built tensor may give the shape as a tuple or list, and the format as 8 or 4.
@@ -105,6 +115,33 @@ def check_group_size(group_size, name: str = "group_size") -> int:
     return group_size
 
 
+def check_hadamard(hadamard, hadamard_size, group_size: int) -> int:
+    """The Hadamard block size for the kernels (0: off) from the public pair of arguments:
+    hadamard=True takes hadamard_size, or by default the largest power of two dividing
+    group_size up to DEFAULT_HADAMARD_SIZE; hadamard_size needs hadamard=True."""
+    if not isinstance(hadamard, bool):
+        raise TypeError(f"hadamard must be a bool, got {hadamard!r}")
+    if not hadamard:
+        if hadamard_size is not None:
+            raise ValueError(f"hadamard_size={hadamard_size!r} needs hadamard=True")
+        return 0
+    if hadamard_size is None:
+        return min(DEFAULT_HADAMARD_SIZE, group_size & -group_size)
+    if (
+        isinstance(hadamard_size, bool)
+        or not isinstance(hadamard_size, int)
+        or not MIN_HADAMARD_SIZE <= hadamard_size <= MAX_HADAMARD_SIZE
+        or hadamard_size & (hadamard_size - 1)
+        or group_size % hadamard_size
+    ):
+        raise ValueError(
+            f"hadamard_size must be a power of two from {MIN_HADAMARD_SIZE} to "
+            f"{MAX_HADAMARD_SIZE} that divides group_size {group_size} (or None for the "
+            f"default), got {hadamard_size!r}"
+        )
+    return hadamard_size
+
+
 def _check_rounding(rounding) -> int:
     if not isinstance(rounding, str) or rounding not in ROUNDING_MODES:
         raise ValueError(f"rounding must be one of {sorted(ROUNDING_MODES)}, got {rounding!r}")
@@ -129,6 +166,8 @@ def quantize(
     rounding: str = "nearest",
     seed: Optional[int] = None,
     out: Optional[QuantizedTensor] = None,
+    hadamard: bool = False,
+    hadamard_size: Optional[int] = None,
 ) -> QuantizedTensor:
     """Block-quantize ``x`` (float32/float16/bfloat16, CPU or CUDA, any shape and strides).
 
@@ -147,12 +186,21 @@ def quantize(
     ``out``: a QuantizedTensor whose buffers are reused (same numel, bits, group_size,
     symmetry and device), which saves the allocation (and, for large CPU tensors, the page
     faults of fresh memory) on repeated calls. The result shares them.
+
+    ``hadamard=True`` smooths outliers first (SDP4Bit's TLq-HS): each block of
+    ``hadamard_size`` consecutive elements (a power of two from 8 to 256 dividing
+    group_size; default: the largest such up to 256) goes through the orthonormal
+    Walsh-Hadamard transform before it is quantized, fused into the kernel; dequantize
+    applies the inverse. A tail shorter than a block stays untransformed. The bound above
+    then holds for the transformed values (the scales are theirs), and the round trip's
+    error is that error rotated back (the same RMS).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     code = dtype_code(x.dtype, "x")
     fmt = format_name(bits, "bits")
     group_size = check_group_size(group_size)
+    hadamard_size = check_hadamard(hadamard, hadamard_size, group_size)
     if not isinstance(symmetric, bool):
         raise TypeError(f"symmetric must be a bool, got {symmetric!r}")
     if not symmetric and not FORMATS[fmt]["asymmetric"]:
@@ -174,9 +222,9 @@ def quantize(
     _C.quantize(
         flat.data_ptr(), code, n, FORMATS[fmt]["code"], group_size, symmetric, rounding_code, seed, 0,
         data.data_ptr(), scales.data_ptr(), 0 if offsets is None else offsets.data_ptr(),
-        kind, index, stream,
+        kind, index, stream, hadamard_size=hadamard_size,
     )
-    return QuantizedTensor(data, scales, offsets, x.shape, x.dtype, fmt, group_size)
+    return QuantizedTensor(data, scales, offsets, x.shape, x.dtype, fmt, group_size, hadamard_size)
 
 
 def _check_out_buffers(out, n: int, fmt: str, group_size: int, symmetric: bool, device) -> None:
@@ -198,6 +246,11 @@ def _check_quantized(q: QuantizedTensor, name: str = "q") -> None:
     check_group_size(q.group_size, f"{name}.group_size")
     if q.offsets is not None and not FORMATS[fmt]["asymmetric"]:
         raise ValueError(f"{name}.offsets must be None: {fmt} codes are symmetric only")
+    if q.hadamard_size:
+        try:
+            check_hadamard(True, q.hadamard_size, q.group_size)
+        except ValueError as e:
+            raise ValueError(f"{name}.{e}") from None
     n = q.numel
     expect = {f"{name}.data": (q.data, torch.uint8, code_bytes(n, fmt)),
               f"{name}.scales": (q.scales, torch.float32, num_groups(n, q.group_size))}
@@ -220,6 +273,7 @@ def dequantize(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Back to floating point: a tensor of q's shape in ``dtype`` (default: q.dtype).
+    Codes of Hadamard-smoothed values (q.hadamard_size) are transformed back, in the kernel.
 
     With ``out`` (contiguous, q.numel elements, on q's device) the result is written there
     and ``out`` is returned; its dtype is the output dtype.
@@ -244,6 +298,6 @@ def dequantize(
     _C.dequantize(
         q.data.data_ptr(), q.scales.data_ptr(), 0 if q.offsets is None else q.offsets.data_ptr(),
         q.numel, FORMATS[q.format]["code"], q.group_size, q.symmetric, out.data_ptr(), code, kind,
-        index, stream,
+        index, stream, hadamard_size=q.hadamard_size,
     )
     return out

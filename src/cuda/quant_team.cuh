@@ -231,6 +231,59 @@ __device__ __forceinline__ GroupStats team_reduce(GroupStats s, int lanes, Group
   return s;
 }
 
+// ---- Hadamard smoothing across packets (the stage order of quant_math.h) ---------------------
+// Transforms the blocks of `size` elements among the packets a team holds: p[j] is packet
+// lane + j * lanes counted from a block boundary, so the partner at packet stride m is held
+// by lane ^ m (a shuffle, inside the warp: m < size / 8 <= 32) when m < lanes, else by this
+// lane's register j ^ (m / lanes). whole[j]: packet j's block is transformed (the same for
+// every packet of a block); the others only lend their values to the shuffles. Every
+// thread of the block calls it with the same lanes and size.
+template <int N>
+__device__ __forceinline__ void hadamard_packets(Packet (&p)[N], const bool (&whole)[N], int lane,
+                                                 int lanes, int size) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+    if (whole[j]) math::hadamard8(p[j].x);
+  for (int m = 1; m < size / kPacket; m *= 2) {
+    if (m < lanes) {
+      const bool upper = (lane & m) != 0;
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int k = 0; k < kPacket; ++k) {
+          const float partner = __shfl_xor_sync(0xffffffffu, p[j].x[k], m);
+          if (whole[j]) p[j].x[k] = math::butterfly(p[j].x[k], partner, upper);
+        }
+    } else {
+      const int d = m / lanes;  // < N: a block's packets fit in the team's registers
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+#pragma unroll
+        for (int s = 1; s < N; s *= 2)
+          if (s == d && !(j & s) && whole[j]) {
+#pragma unroll
+            for (int k = 0; k < kPacket; ++k) {
+              const float lo = p[j].x[k], hi = p[j + s].x[k];
+              p[j].x[k] = math::add(lo, hi);
+              p[j + s].x[k] = math::sub(lo, hi);
+            }
+          }
+    }
+  }
+  const float norm = math::hadamard_norm(size);
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+    if (whole[j])
+#pragma unroll
+      for (int k = 0; k < kPacket; ++k) p[j].x[k] = math::mul(p[j].x[k], norm);
+}
+
+// Packet at element e (of a run of len elements, blocks counted from its start) is in a
+// whole block: transformed.
+__device__ __forceinline__ bool in_whole_block(int64_t e, int64_t len, int size) {
+  return size > 0 && e / size * size + size <= len;
+}
+
 // ---- host side -----------------------------------------------------------------------
 inline bool aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;

@@ -40,6 +40,7 @@ struct QuantParams {
   uint64_t key;  // math::rng_key(seed)
   int lanes;     // fused pass: threads per team, a power of two dividing kThreads
   CodeFormat format;
+  int hadamard;  // block size of the transform before quantizing (0: none)
   bool symmetric;
   bool stochastic;
   bool vec_in;   // input 16-byte aligned
@@ -139,15 +140,21 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_kernel(const QuantParams
     const Unit unit = unit_at<P>(q, first + team);
     const bool leader = lane == 0 && unit.begin < unit.end;
     // Lane packets are interleaved (packet lane + j * lanes) so a warp reads contiguously.
-    Packet cache[kPacketsPerLane];
-    GroupStats s = math::stats_identity();
+    Packet cache[kPacketsPerLane] = {};
+    bool whole[kPacketsPerLane];
 #pragma unroll
     for (int j = 0; j < kPacketsPerLane; ++j) {
       const int64_t e = unit.begin + int64_t{kPacket} * (lane + j * lanes);
-      if (e < unit.end) {
-        cache[j] = load_packet<E>(input + e, packet_count(unit.end - e), q.vec_in);
-        if constexpr (P != Pass::kCode) add_packet(s, cache[j]);
-      }
+      whole[j] = e < unit.end && in_whole_block(e, q.n, q.hadamard);
+      if (e < unit.end) cache[j] = load_packet<E>(input + e, packet_count(unit.end - e), q.vec_in);
+    }
+    // Units start on block boundaries (group sizes and kChunk are multiples of the size).
+    if (q.hadamard) hadamard_packets(cache, whole, lane, lanes, q.hadamard);
+    GroupStats s = math::stats_identity();
+    if constexpr (P != Pass::kCode) {
+#pragma unroll
+      for (int j = 0; j < kPacketsPerLane; ++j)
+        if (unit.begin + int64_t{kPacket} * (lane + j * lanes) < unit.end) add_packet(s, cache[j]);
     }
 
     if constexpr (P == Pass::kStats) {
@@ -186,6 +193,7 @@ struct DequantParams {
   bool symmetric;
   bool vec_in;   // codes aligned to a packet's code bytes
   bool vec_out;  // output 16-byte aligned
+  int hadamard;  // block size of the inverse transform after decoding (0: none)
 };
 
 template <typename E, CodeFormat F>
@@ -193,14 +201,24 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const DequantParam
   constexpr int Bits = code_bits(F);
   auto* output = static_cast<typename E::Bits*>(d.output);
   const int64_t packets = (d.n + kPacket - 1) / kPacket;
-  for (int64_t k = int64_t{blockIdx.x} * kThreads + threadIdx.x; k < packets;
-       k += int64_t{gridDim.x} * kThreads) {
+  // Block-uniform trip count: with a transform, every thread reaches its shuffles; the
+  // packets of a block are consecutive threads of one warp.
+  for (int64_t first = int64_t{blockIdx.x} * kThreads; first < packets;
+       first += int64_t{gridDim.x} * kThreads) {
+    const int64_t k = first + threadIdx.x;
     const int64_t e = k * kPacket;
-    const int count = packet_count(d.n - e);
-    const int64_t g = e / d.group_size;
-    const GroupParams params{d.scales[g], d.symmetric ? 0.0f : d.offsets[g]};
-    const uint64_t codes = load_codes<Bits>(d.codes + e * Bits / 8, count, d.vec_in);
-    store_packet<E>(output + e, count, d.vec_out, decode_packet<F>(codes, params, d.symmetric));
+    Packet p[1] = {};
+    if (k < packets) {
+      const int64_t g = e / d.group_size;
+      const GroupParams params{d.scales[g], d.symmetric ? 0.0f : d.offsets[g]};
+      const uint64_t codes = load_codes<Bits>(d.codes + e * Bits / 8, packet_count(d.n - e), d.vec_in);
+      p[0] = decode_packet<F>(codes, params, d.symmetric);
+    }
+    if (d.hadamard) {
+      const bool whole[1] = {in_whole_block(e, d.n, d.hadamard)};
+      hadamard_packets(p, whole, threadIdx.x % 32, 32, d.hadamard);
+    }
+    if (k < packets) store_packet<E>(output + e, packet_count(d.n - e), d.vec_out, p[0]);
   }
 }
 
@@ -218,6 +236,7 @@ void launch_quantize(const QuantizeArgs& a, cudaStream_t stream) {
   q.index_base = a.index_base;
   q.key = math::rng_key(spec.seed);
   q.format = F;
+  q.hadamard = spec.hadamard_size;
   q.symmetric = spec.symmetric;
   q.stochastic = spec.rounding == Rounding::kStochastic;
   q.vec_in = aligned(a.input, 16);
@@ -253,6 +272,7 @@ void launch_dequantize(const DequantizeArgs& a, cudaStream_t stream) {
   d.n = a.n;
   d.group_size = a.group_size;
   d.symmetric = a.symmetric;
+  d.hadamard = a.hadamard_size;
   d.vec_in = aligned(a.codes, Bits);
   d.vec_out = aligned(a.output, 16);
   const int64_t packets = (a.n + kPacket - 1) / kPacket;

@@ -185,6 +185,7 @@ struct QuantChunks {  // `items` chunks of `len` elements at base + item * strid
   int64_t units;             // team work items: items * groups (* chunks_per_group)
   int lanes;                 // fused path
   CodeFormat format;
+  int hadamard;  // block size of the transform between the source and the codes (0: none)
   bool vec;  // every chunk's codes aligned to a packet's code bytes
 
   __device__ __forceinline__ uint8_t* chunk(int64_t item) const { return base + item * stride; }
@@ -241,8 +242,15 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks) team_kernel(const S
     // Lane packets are interleaved (packet lane + j * lanes) so a warp reads contiguously.
     const int64_t e0 = unit.begin + int64_t{kPacket} * lane;
     const int64_t step = int64_t{kPacket} * lanes;
-    Packet cache[kPacketsPerLane];
+    Packet cache[kPacketsPerLane] = {};
     src.load(unit.item, e0, step, unit.end, cache);
+    if (c.hadamard) {  // units start on block boundaries, as in quantize.cu
+      bool whole[kPacketsPerLane];
+#pragma unroll
+      for (int j = 0; j < kPacketsPerLane; ++j)
+        whole[j] = e0 + j * step < unit.end && in_whole_block(e0 + j * step, c.len, c.hadamard);
+      hadamard_packets(cache, whole, lane, lanes, c.hadamard);
+    }
 
     GroupStats s = math::stats_identity();
     if constexpr (P != Pass::kCode) {
@@ -327,8 +335,17 @@ struct RawRuns {  // `items` runs of `len` elements at base + item * stride byte
   int64_t items;
   int64_t data_bytes;  // len * element size
   int64_t end_bytes;   // raw chunk: chunk_bytes (the rest is zeroed); values: data_bytes
+  int hadamard;        // block size of the (inverse) transform of the source's values (0: none)
   bool vec;            // every run 16-byte aligned
 };
+
+// Threads per run of the elementwise kernel: one per packet, padded with a transform to
+// whole blocks so that a block's packets are consecutive threads of one warp.
+__host__ __device__ __forceinline__ int64_t run_threads(const RawRuns& r) {
+  const int64_t packets = (r.len + kPacket - 1) / kPacket;
+  const int64_t per_block = r.hadamard ? r.hadamard / kPacket : 1;
+  return (packets + per_block - 1) / per_block * per_block;
+}
 
 __device__ __forceinline__ void zero_raw_padding(const RawRuns& r, int64_t item, int64_t e) {
   if (e + kPacket >= r.len)  // the thread of the run's last packet
@@ -337,13 +354,21 @@ __device__ __forceinline__ void zero_raw_padding(const RawRuns& r, int64_t item,
 
 template <typename Eout, typename Src>
 __global__ void __launch_bounds__(kThreads) elementwise_kernel(const Src src, const RawRuns r) {
-  const int64_t packets = (r.len + kPacket - 1) / kPacket;
-  for (int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x; i < r.items * packets;
-       i += int64_t{gridDim.x} * kThreads) {
-    const int64_t item = i / packets;
-    const int64_t e = (i - item * packets) * kPacket;
-    Packet p[1];
-    src.load(item, e, kPacket, r.len, p);
+  const int64_t per_run = run_threads(r);
+  // Block-uniform trip count: with a transform, every thread reaches its shuffles.
+  for (int64_t first = int64_t{blockIdx.x} * kThreads; first < r.items * per_run;
+       first += int64_t{gridDim.x} * kThreads) {
+    const int64_t i = first + threadIdx.x;
+    const int64_t item = i / per_run;
+    const int64_t e = (i - item * per_run) * kPacket;
+    const bool valid = item < r.items && e < r.len;
+    Packet p[1] = {};
+    if (valid) src.load(item, e, kPacket, r.len, p);
+    if (r.hadamard) {
+      const bool whole[1] = {valid && in_whole_block(e, r.len, r.hadamard)};
+      hadamard_packets(p, whole, threadIdx.x % 32, 32, r.hadamard);
+    }
+    if (!valid) continue;
     auto* dst = reinterpret_cast<typename Eout::Bits*>(r.base + item * r.stride);
     store_packet<Eout>(dst + e, packet_count(r.len - e), r.vec, p[0]);
     zero_raw_padding(r, item, e);
@@ -426,7 +451,7 @@ template <typename Src>
 void launch_elementwise(const Src& src, const RawRuns& r, DType out_dtype, cudaStream_t stream) {
   with_dtype(out_dtype, [&](auto out) {
     launch<elementwise_kernel<decltype(out), Src>>(
-        grid_for(r.items * ((r.len + kPacket - 1) / kPacket), kThreads), kThreads, stream, src, r);
+        grid_for(r.items * run_threads(r), kThreads), kThreads, stream, src, r);
   });
 }
 
@@ -447,14 +472,15 @@ void encode_chunks(const EncodeArgs& a) {
     src.vec = aligned(a.input, 16) && (a.partition_elems * esize) % 16 == 0 &&
               (a.slice_begin * esize) % 16 == 0;
     if (a.fmt.quantized()) {
-      const QuantChunks c = quant_chunks(a.output, a.chunk_stride, a.count, a.fmt, a.len);
+      QuantChunks c = quant_chunks(a.output, a.chunk_stride, a.count, a.fmt, a.len);
+      c.hadamard = a.fmt.hadamard_size;
       with_format(a.fmt.format, [&](auto f) { launch_team<decltype(f)::value>(src, c, stream); });
       return;
     }
     const RawRuns r = raw_runs(a.output, a.chunk_stride, a.count, a.fmt.raw_dtype, a.len,
                                a.fmt.chunk_bytes(a.len));
     if (a.fmt.raw_dtype == a.dtype) {
-      launch<copy_kernel<E>>(grid_for(r.items * ((r.len + kPacket - 1) / kPacket), kThreads),
+      launch<copy_kernel<E>>(grid_for(r.items * run_threads(r), kThreads),
                              kThreads, stream, src, r);
     } else {
       launch_elementwise(src, r, a.fmt.raw_dtype, stream);
@@ -466,22 +492,26 @@ void reduce_chunks(const ReduceArgs& a) {
   DeviceGuard guard(a.device.index);
   const auto stream = static_cast<cudaStream_t>(a.device.stream);
   const SumLayout layout{a.input, a.source_stride, a.output_in_stride, a.sources, a.divisor};
+  const int hadamard = reduce_hadamard_size(a);
 
   // The output side, given the source.
   const auto run = [&](const auto& src) {
     using Src = std::decay_t<decltype(src)>;
     if (a.out_values) {
       const int64_t esize = static_cast<int64_t>(dtype_size(a.out_dtype));
-      const RawRuns r = raw_runs(a.out_values, a.out_values_stride * esize, a.outputs,
-                                 a.out_dtype, a.len, a.len * esize);
+      RawRuns r = raw_runs(a.out_values, a.out_values_stride * esize, a.outputs,
+                           a.out_dtype, a.len, a.len * esize);
+      r.hadamard = hadamard;
       return launch_elementwise(src, r, a.out_dtype, stream);
     }
     if (!a.out_fmt.quantized()) {
-      const RawRuns r = raw_runs(a.out_wire, a.out_chunk_stride, a.outputs, a.out_fmt.raw_dtype,
-                                 a.len, a.out_fmt.chunk_bytes(a.len));
+      RawRuns r = raw_runs(a.out_wire, a.out_chunk_stride, a.outputs, a.out_fmt.raw_dtype,
+                           a.len, a.out_fmt.chunk_bytes(a.len));
+      r.hadamard = hadamard;
       return launch_elementwise(src, r, a.out_fmt.raw_dtype, stream);
     }
-    const QuantChunks c = quant_chunks(a.out_wire, a.out_chunk_stride, a.outputs, a.out_fmt, a.len);
+    QuantChunks c = quant_chunks(a.out_wire, a.out_chunk_stride, a.outputs, a.out_fmt, a.len);
+    c.hadamard = hadamard;
     with_format(a.out_fmt.format, [&](auto f) { launch_team<decltype(f)::value, Src>(src, c, stream); });
   };
 

@@ -30,11 +30,12 @@ inline Device device(int kind, int index, uintptr_t stream) {
 }
 
 // Formats travel as their codes (_C.FORMATS, RAW_FORMAT); the core validates them.
-inline WireFormat wire_format(int format, int64_t group_size, int raw_dtype) {
+inline WireFormat wire_format(int format, int64_t group_size, int raw_dtype, int hadamard_size = 0) {
   WireFormat f;
   f.format = static_cast<CodeFormat>(format);
   f.group_size = group_size;
   f.raw_dtype = static_cast<DType>(raw_dtype);
+  f.hadamard_size = hadamard_size;
   return f;
 }
 
@@ -52,7 +53,8 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
       "quantize",
       [=](uintptr_t input, int dtype, int64_t n, int format, int64_t group_size, bool symmetric,
           int rounding, uint64_t seed, uint64_t index_base, uintptr_t codes, uintptr_t scales,
-          uintptr_t offsets, int device_kind, int device_index, uintptr_t stream) {
+          uintptr_t offsets, int device_kind, int device_index, uintptr_t stream,
+          int hadamard_size) {
         QuantizeArgs a;
         a.input = ptr(input);
         a.dtype = static_cast<DType>(dtype);
@@ -62,6 +64,7 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         a.spec.symmetric = symmetric;
         a.spec.rounding = static_cast<Rounding>(rounding);
         a.spec.seed = seed;
+        a.spec.hadamard_size = hadamard_size;
         a.index_base = index_base;
         a.codes = static_cast<uint8_t*>(ptr(codes));
         a.scales = static_cast<float*>(ptr(scales));
@@ -73,12 +76,12 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
       py::arg("input"), py::arg("dtype"), py::arg("n"), py::arg("format"), py::arg("group_size"),
       py::arg("symmetric"), py::arg("rounding"), py::arg("seed"), py::arg("index_base"),
       py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("device_kind"),
-      py::arg("device_index"), py::arg("stream"));
+      py::arg("device_index"), py::arg("stream"), py::arg("hadamard_size") = 0);
   m.def(
       "dequantize",
       [=](uintptr_t codes, uintptr_t scales, uintptr_t offsets, int64_t n, int format,
           int64_t group_size, bool symmetric, uintptr_t output, int dtype, int device_kind,
-          int device_index, uintptr_t stream) {
+          int device_index, uintptr_t stream, int hadamard_size) {
         DequantizeArgs a;
         a.codes = static_cast<const uint8_t*>(ptr(codes));
         a.scales = static_cast<const float*>(ptr(scales));
@@ -87,6 +90,7 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         a.format = static_cast<CodeFormat>(format);
         a.group_size = group_size;
         a.symmetric = symmetric;
+        a.hadamard_size = hadamard_size;
         a.output = ptr(output);
         a.dtype = static_cast<DType>(dtype);
         a.device = device(device_kind, device_index, stream);
@@ -95,7 +99,8 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
       },
       py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("n"), py::arg("format"),
       py::arg("group_size"), py::arg("symmetric"), py::arg("output"), py::arg("dtype"),
-      py::arg("device_kind"), py::arg("device_index"), py::arg("stream"));
+      py::arg("device_kind"), py::arg("device_index"), py::arg("stream"),
+      py::arg("hadamard_size") = 0);
   m.def(
       "wire_chunk_bytes",
       [](int format, int64_t group_size, int raw_dtype, int64_t len) {
@@ -108,7 +113,8 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
       "encode_chunks",
       [=](uintptr_t input, int dtype, int64_t partition_elems, int64_t slice_begin, int64_t len,
           int count, int node_size, int nodes, int format, int64_t group_size, uintptr_t output,
-          int64_t chunk_stride, int device_kind, int device_index, uintptr_t stream) {
+          int64_t chunk_stride, int device_kind, int device_index, uintptr_t stream,
+          int hadamard_size) {
         EncodeArgs a;
         a.input = ptr(input);
         a.dtype = static_cast<DType>(dtype);
@@ -118,7 +124,7 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         a.count = count;
         a.node_size = node_size;
         a.nodes = nodes;
-        a.fmt = wire_format(format, group_size, dtype);
+        a.fmt = wire_format(format, group_size, dtype, hadamard_size);
         a.output = static_cast<uint8_t*>(ptr(output));
         a.chunk_stride = chunk_stride;
         a.device = device(device_kind, device_index, stream);
@@ -128,17 +134,18 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
       py::arg("input"), py::arg("dtype"), py::arg("partition_elems"), py::arg("slice_begin"),
       py::arg("len"), py::arg("count"), py::arg("node_size"), py::arg("nodes"), py::arg("format"),
       py::arg("group_size"), py::arg("output"), py::arg("chunk_stride"),
-      py::arg("device_kind"), py::arg("device_index"), py::arg("stream"));
+      py::arg("device_kind"), py::arg("device_index"), py::arg("stream"),
+      py::arg("hadamard_size") = 0);
   m.def(
       "reduce_chunks",
       [=](uintptr_t input, int in_format, int64_t group_size, int raw_dtype, int64_t len,
           int sources, int64_t source_stride, int outputs, int64_t output_in_stride,
           float divisor, uintptr_t out_wire, int out_format, int64_t out_chunk_stride,
           uintptr_t out_values, int out_dtype, int64_t out_values_stride, int device_kind,
-          int device_index, uintptr_t stream) {
+          int device_index, uintptr_t stream, int in_hadamard, int out_hadamard) {
         ReduceArgs a;
         a.input = static_cast<const uint8_t*>(ptr(input));
-        a.in_fmt = wire_format(in_format, group_size, raw_dtype);
+        a.in_fmt = wire_format(in_format, group_size, raw_dtype, in_hadamard);
         a.len = len;
         a.sources = sources;
         a.source_stride = source_stride;
@@ -146,7 +153,7 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         a.output_in_stride = output_in_stride;
         a.divisor = divisor;
         a.out_wire = static_cast<uint8_t*>(ptr(out_wire));
-        a.out_fmt = wire_format(out_format, group_size, raw_dtype);
+        a.out_fmt = wire_format(out_format, group_size, raw_dtype, out_hadamard);
         a.out_chunk_stride = out_chunk_stride;
         a.out_values = ptr(out_values);
         a.out_dtype = static_cast<DType>(out_dtype);
@@ -160,7 +167,7 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
       py::arg("output_in_stride"), py::arg("divisor"), py::arg("out_wire"), py::arg("out_format"),
       py::arg("out_chunk_stride"), py::arg("out_values"), py::arg("out_dtype"),
       py::arg("out_values_stride"), py::arg("device_kind"), py::arg("device_index"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("in_hadamard") = 0, py::arg("out_hadamard") = 0);
 }
 
 }  // namespace binding
