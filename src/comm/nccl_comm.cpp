@@ -2,6 +2,7 @@
 // reduce-scatter. Every NCCL call is checked; errors carry NCCL's message and file:line.
 #include "comm/nccl_comm.h"
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <utility>
@@ -29,7 +30,12 @@ ncclDataType_t nccl_type(DType t) {
 
 namespace {
 constexpr auto kPollInterval = std::chrono::milliseconds(10);  // the watchdog's period
-constexpr auto kSettlePoll = std::chrono::microseconds(50);    // an NCCL call in progress
+// An NCCL call in progress (from NCCL 2.22 every call on a nonblocking communicator may
+// report it) usually settles within microseconds: poll with yields this long, then sleep,
+// doubling from kFirstSleep up to kMaxSleep (init and finalize can take seconds).
+constexpr auto kSpinFor = std::chrono::microseconds(20);
+constexpr auto kFirstSleep = std::chrono::microseconds(10);
+constexpr auto kMaxSleep = std::chrono::microseconds(1000);
 using Clock = std::chrono::steady_clock;
 }  // namespace
 
@@ -133,13 +139,21 @@ NcclCommunicator::NcclCommunicator(const std::string& unique_id, int rank, int s
 }
 
 ncclResult_t NcclCommunicator::wait_settled(Clock::time_point deadline) const {
+  const auto spin_until = Clock::now() + kSpinFor;
+  auto sleep = kFirstSleep;
   for (;;) {
     ncclResult_t state = ncclSuccess;
     const ncclResult_t q = api_.ncclCommGetAsyncError(comm_, &state);
     if (q != ncclSuccess) return q;
     if (state != ncclInProgress) return state;
-    if (Clock::now() > deadline) return ncclInProgress;
-    std::this_thread::sleep_for(kSettlePoll);
+    const auto now = Clock::now();
+    if (now > deadline) return ncclInProgress;
+    if (now < spin_until) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, kMaxSleep);
+    }
   }
 }
 
