@@ -18,6 +18,7 @@
 #include "torch_comm.h"
 #if defined(QCOLL_WITH_CUDA)
 #include "comm/nccl_comm.h"
+#include "cuda/cuda_check.h"
 #endif
 
 namespace py = pybind11;
@@ -89,6 +90,14 @@ void bind_collectives(py::module_& m) {
       // Both may wait on NCCL (destroy for the node's other members): release the GIL.
       .def("destroy", &qcoll::NcclCommunicator::destroy, py::call_guard<py::gil_scoped_release>())
       .def("abort", &qcoll::NcclCommunicator::abort, py::call_guard<py::gil_scoped_release>());
+  // The id of the CUDA graph capture `stream` is part of, 0 when it is not capturing: each
+  // capture owns its workspace (python/qcoll/_streams.py).
+  m.def("cuda_capture_id", [](uintptr_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    QCOLL_CUDA_CHECK(cudaStreamGetCaptureInfo(reinterpret_cast<cudaStream_t>(stream), &status, &id));
+    return status == cudaStreamCaptureStatusNone ? 0ULL : id;  // invalidated: still no queries
+  }, py::arg("stream"));
 #endif
   m.def("nccl_version", &qcoll::nccl::nccl_version_string);
   m.def("nccl_unique_id", [] { return py::bytes(qcoll::nccl::nccl_unique_id()); });
