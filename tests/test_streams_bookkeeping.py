@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import qcoll._nccl
+from qcoll import collectives
 from qcoll._calls import CommunicationError, Work
 from qcoll._streams import CudaCalls
 from qcoll.group import Group
@@ -342,3 +343,24 @@ def test_group_close_destroys_communicators_before_releasing_cuda_calls(monkeypa
                           _cuda=Calls())
     Group.close(group)
     assert order == ["cpu queue", "intra", "inter", "own", "cuda streams"]
+
+
+def test_debug_check_is_skipped_while_capturing(monkeypatch):
+    rt, exchanged = FakeCuda(), []
+
+    def all_gather_object(out, obj, group=None):
+        assert not rt.capturing_now, "a capture cannot synchronize the host"
+        exchanged.append(obj)
+        out[:] = [obj] * len(out)
+
+    group = types.SimpleNamespace(size=2, _cuda=CudaCalls(rt), pg=None,
+                                  _calls=types.SimpleNamespace(drain=lambda: None))
+    monkeypatch.setenv("QCOLL_DEBUG", "1")
+    monkeypatch.setattr(collectives.dist, "all_gather_object", all_gather_object)
+    meta = ("quantized_allgather", 8)
+    rt.capture = 5
+    collectives._debug_check(group, meta, DEV)
+    assert exchanged == []
+    rt.capture = 0
+    collectives._debug_check(group, meta, DEV)  # eager calls (the warm-up) are checked
+    assert exchanged == [meta]

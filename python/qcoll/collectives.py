@@ -77,10 +77,14 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _debug_check(group: Group, meta: tuple) -> None:
+def _debug_check(group: Group, meta: tuple, device: torch.device) -> None:
     """QCOLL_DEBUG=1: compare the call's metadata across ranks and raise on a mismatch
-    (instead of hanging or corrupting data inside the transport)."""
+    (instead of hanging or corrupting data inside the transport). Skipped while a CUDA
+    graph is being captured on `device`: the check synchronizes the host, which a capture
+    forbids (the eager warm-up calls before the capture are checked)."""
     if os.environ.get("QCOLL_DEBUG", "0") in ("", "0") or group.size == 1:
+        return
+    if device.type == "cuda" and group._cuda.capturing(device):
         return
     group._calls.drain()  # group.pg may be the worker's own (a sub-group's): never both at once
     metas = [None] * group.size
@@ -183,7 +187,8 @@ def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *
         n *= input.element_size()
     group_size = check_group_size(group_size)
     g = resolve_group(group)
-    _debug_check(g, ("quantized_allgather", n, output.numel(), str(input.dtype), bits, group_size))
+    _debug_check(g, ("quantized_allgather", n, output.numel(), str(input.dtype), bits, group_size),
+                 input.device)
     plan = _allgather_plan(g.size, n, code, wire_bits, group_size, input.device.type == "cpu")
 
     def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
@@ -222,7 +227,7 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
         raise ValueError(f"hierarchical must be True, False or None, got {hierarchical!r}")
     g = resolve_group(group)
     _debug_check(g, ("quantized_reduce_scatter", n, input.numel(), str(input.dtype), op, intra_bits,
-                     inter_bits, group_size, stages, hierarchical))
+                     inter_bits, group_size, stages, hierarchical), input.device)
     hier = -1 if hierarchical is None else int(hierarchical)
     plan = _reduce_scatter_plan(g.size, g.node_size, n, code, intra, inter, group_size, stages, hier,
                                 input.device.type == "cpu", _MIN_STAGE_BYTES)
