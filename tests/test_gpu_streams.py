@@ -182,7 +182,7 @@ def _dead_peer(rank: int, world: int):
     g = qcoll.new_group(None, node_size=1, backend="nccl", timeout=timedelta(seconds=5))
     x = torch.ones(1 << 16, device=dev)
     out = torch.empty(world * x.numel(), device=dev)
-    qcoll.quantized_allgather(out, x, g, bits=8)  # both communicators exist
+    early = qcoll.quantized_allgather(out, x, g, bits=8, async_op=True)  # communicators exist
     torch.cuda.synchronize()
     dist.barrier()
     if rank == 1:
@@ -194,6 +194,7 @@ def _dead_peer(rank: int, world: int):
         time.sleep(0.05)
     with pytest.raises(qcoll.CommunicationError, match=r"quantized_allgather \(call 1 "):
         work.wait()
+    early.wait()  # completed before the failure: not failed by it
     with pytest.raises(RuntimeError, match="aborted"):
         qcoll.quantized_allgather(out, x, g, bits=8)  # the communicator is unusable now
     return time.monotonic() - start

@@ -4,11 +4,16 @@ stream order. The same code drives real streams on a GPU (test_gpu_streams.py)."
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
+import qcoll._nccl
+from qcoll import collectives
 from qcoll._calls import CommunicationError, Work
 from qcoll._streams import CudaCalls
+from qcoll.group import Group
 
 DEV = torch.device("cuda", 0)
 
@@ -44,11 +49,15 @@ class FakeStream:
     def complete_all(self):
         self.finished = len(self.ops) - 1
 
+    def synchronize(self):
+        self.rt.log.append(("synchronize", self.name))
+        self.complete_all()
+
 
 class FakeCuda:
     def __init__(self):
         self.log, self.streams, self.allocations = [], [], []
-        self.capturing_now = False
+        self.capture = 0  # id of the capture in progress (0: none)
         self.caller = self._stream("caller")
         self.current = self.caller
 
@@ -80,8 +89,15 @@ class FakeCuda:
 
         return Use()
 
+    @property
+    def capturing_now(self):
+        return self.capture != 0
+
     def capturing(self, device):
         return self.capturing_now
+
+    def capture_id(self, device):
+        return self.capture
 
     def empty(self, nbytes, device):
         t = torch.empty(nbytes, dtype=torch.uint8)
@@ -91,12 +107,17 @@ class FakeCuda:
 
 
 class FakeComm:
-    error = ""
+    """An NCCL communicator's watchdog state: operations numbered in enqueue order."""
+
+    def __init__(self):
+        self.error, self.failed_op, self.ops_enqueued = "", -1, 0
 
 
-def _launcher(rt, seen):
+def _launcher(rt, seen, comms=()):
     def launch(stream, lane, workspace):
         assert rt.current is stream, "the call must run with the communication stream current"
+        for comm in comms:  # one watched NCCL operation each
+            comm.ops_enqueued += 1
         stream.ops.append(("kernel", workspace.numel()))
         rt.log.append(("launch", stream.name, lane.name, workspace.numel()))
         seen.append((stream, lane, workspace))
@@ -156,7 +177,7 @@ def test_unwaited_calls_release_tensors_once_seen_complete_in_issue_order():
     assert second.tensors is None
 
 
-def test_workspace_is_cached_grown_on_the_comm_stream_and_kept_for_graphs():
+def test_workspace_is_cached_and_grown_on_the_comm_stream():
     rt, seen = FakeCuda(), []
     calls = CudaCalls(rt)
     launch = _launcher(rt, seen)
@@ -164,33 +185,112 @@ def test_workspace_is_cached_grown_on_the_comm_stream_and_kept_for_graphs():
     calls.run(DEV, launch, 60, (), (), "c1", async_op=False)
     assert rt.allocations == [100], "a smaller call reuses the cached workspace"
     assert seen[1][2].numel() == 60 and seen[1][2].data_ptr() == seen[0][2].data_ptr()
-    # Warmed up: a captured call of the same size allocates nothing and queries nothing.
-    rt.capturing_now = True
-    call = calls.run(DEV, launch, 100, ("x",), (), "c2", async_op=True)
+    calls.run(DEV, launch, 500, (), (), "c2", async_op=False)
+    assert rt.allocations == [100, 500]
+    allocs = [e for e in rt.log if e[0] == "alloc"]
+    assert all(stream.startswith("qcoll") for _, stream, _ in allocs), allocs
+
+
+def test_each_capture_owns_its_workspace_taken_from_the_warm_up():
+    rt, seen = FakeCuda(), []
+    calls = CudaCalls(rt)
+    launch = _launcher(rt, seen)
+    calls.run(DEV, launch, 100, (), (), "warm-up", async_op=False)
+    warm = seen[-1][2].data_ptr()
+    # Graph 1, warmed up: its calls allocate nothing and share the warm-up's workspace.
+    rt.capture = 1
+    calls.run(DEV, launch, 100, (), (), "g1 c0", async_op=False)
+    calls.run(DEV, launch, 80, (), (), "g1 c1", async_op=False)
     assert rt.allocations == [100]
-    assert call.tensors is None, "a captured call stashes nothing (the graph owner's tensors)"
+    assert seen[-2][2].data_ptr() == seen[-1][2].data_ptr() == warm
+    rt.capture = 0
+    # Replays of graph 1 write that workspace unordered with the communication stream: the
+    # next eager call gets a new one.
+    calls.run(DEV, launch, 100, (), (), "eager", async_op=False)
+    eager = seen[-1][2].data_ptr()
+    assert rt.allocations == [100, 100] and eager != warm
+    # Graph 2, warmed up by that eager call: takes it; graph 3 (no warm-up since graph 2)
+    # allocates its own instead of sharing graph 2's.
+    rt.capture = 2
+    calls.run(DEV, launch, 100, (), (), "g2", async_op=False)
+    g2 = seen[-1][2].data_ptr()
+    rt.capture = 3
+    calls.run(DEV, launch, 100, (), (), "g3", async_op=False)
+    g3 = seen[-1][2].data_ptr()
+    assert g2 == eager and len({warm, g2, g3}) == 3 and rt.allocations == [100, 100, 100]
+    # A larger call later in graph 3 grows it, keeping the smaller one its earlier call uses.
+    calls.run(DEV, launch, 300, (), (), "g3 big", async_op=False)
+    rt.capture = 0
+    kept = {ws.data_ptr() for owned in calls._captures.values() for ws in owned}
+    assert kept == {warm, g2, g3, seen[-1][2].data_ptr()}
+    allocs = [e for e in rt.log if e[0] == "alloc"]
+    assert all(stream.startswith("qcoll") for _, stream, _ in allocs), allocs
+
+
+def test_captured_async_call_keeps_tensors_until_waited_inside_the_capture():
+    rt, seen = FakeCuda(), []
+    calls = CudaCalls(rt)
+    launch = _launcher(rt, seen)
+    calls.run(DEV, launch, 8, (), (), "warm-up", async_op=False)
+    rt.capture = 7
+    x, y = torch.ones(2), torch.zeros(2)
+    call = calls.run(DEV, launch, 8, (x, y), (), "c1", async_op=True)
+    assert call.tensors == (x, y), "the capture's temporaries must outlive the captured reads"
+    assert not calls._in_flight, "nothing is queried during a capture"
     with pytest.raises(RuntimeError, match="captured into a CUDA graph"):
         call.is_completed()
     Work(cuda_call=call).wait()  # joins the capture: the current stream waits for it
-    rt.capturing_now = False
-    captured = seen[2][2]
-    # A larger eager call grows the workspace; the captured one stays alive for replays.
-    calls.run(DEV, launch, 500, (), (), "c3", async_op=False)
-    assert rt.allocations == [100, 500]
-    assert any(captured.data_ptr() == kept.data_ptr() for kept in calls._retained)
-    allocs = [e for e in rt.log if e[0] == "alloc"]
-    assert all(stream.startswith("qcoll") for _, stream, _ in allocs), allocs
+    assert call.tensors is None
+    assert rt.caller.waits[-1][0] is seen[-1][0]
+
+
+def test_waiting_a_captured_call_outside_its_capture_raises():
+    rt, seen = FakeCuda(), []
+    calls = CudaCalls(rt)
+    rt.capture = 7
+    call = calls.run(DEV, _launcher(rt, seen), 8, ("x",), (), "qcoll.quantized_allgather (call 3)",
+                     async_op=True)
+    rt.capture = 0
+    waits = len(rt.caller.waits)
+    with pytest.raises(RuntimeError, match=r"call 3\) was captured into a CUDA graph.*inside the capture"):
+        Work(cuda_call=call).wait()
+    assert len(rt.caller.waits) == waits, "no wait on an event recorded inside the capture"
+    assert call.tensors == ("x",)
+
+
+def test_a_later_failure_does_not_fail_a_call_that_completed_before_it():
+    rt, seen = FakeCuda(), []
+    calls = CudaCalls(rt)
+    comm, other = FakeComm(), FakeComm()
+    first = calls.run(DEV, _launcher(rt, seen, (comm,)), 8, (), (comm,), "call 0", async_op=True)
+    second = calls.run(DEV, _launcher(rt, seen, (comm, other)), 8, (), (comm, other), "call 1",
+                       async_op=True)
+    third = calls.run(DEV, _launcher(rt, seen, (other,)), 8, (), (other,), "call 2",
+                      async_op=True)
+    seen[0][0].finished = first._done.upto
+    # The watchdog gave up on comm's operation 1 (call 1's): operation 0 had completed.
+    comm.error, comm.failed_op = "NCCL all-to-all did not complete within 5 s", 1
+    assert first.failure() is None and Work(cuda_call=first).exception() is None
+    Work(cuda_call=first).wait()
+    with pytest.raises(CommunicationError, match=r"call 1 failed: NCCL all-to-all"):
+        Work(cuda_call=second).wait()
+    assert third.failure() is None, "call 2 used only the healthy communicator"
+    # A communicator that failed from its first operation on fails every call on it.
+    other.error, other.failed_op = "NCCL reported an asynchronous error", 0
+    assert isinstance(Work(cuda_call=third).exception(), CommunicationError)
+    assert Work(cuda_call=third).is_completed()
 
 
 def test_wait_raises_the_watchdog_error_naming_the_call():
     rt, seen = FakeCuda(), []
     calls = CudaCalls(rt)
     healthy, intra = FakeComm(), FakeComm()
-    call = calls.run(DEV, _launcher(rt, seen), 8, (), (healthy, intra),
+    call = calls.run(DEV, _launcher(rt, seen, (healthy, intra)), 8, (), (healthy, intra),
                      "qcoll.quantized_reduce_scatter (call 7 of the group of global ranks [0, 1])",
                      async_op=True)
     work = Work(cuda_call=call)
     intra.error = "NCCL communicator aborted: NCCL all-to-all did not complete within 5 s"
+    intra.failed_op = 0  # the first operation: this call's
     assert work.is_completed(), "a failed call is complete (it will never finish otherwise)"
     assert isinstance(work.exception(), CommunicationError)
     with pytest.raises(CommunicationError, match=r"quantized_reduce_scatter \(call 7.*did not complete"):
@@ -212,11 +312,55 @@ def test_a_failed_enqueue_still_orders_the_caller_after_what_was_enqueued():
     assert waited.ops[upto] == ("kernel", "encode")
 
 
-def test_close_orders_current_stream_after_both_family_streams():
+def test_close_synchronizes_both_streams_before_dropping_unwaited_calls():
     rt, seen = FakeCuda(), []
     calls = CudaCalls(rt)
-    calls.run(DEV, _launcher(rt, seen), 8, ("x",), (), "c0", async_op=True)
+    call = calls.run(DEV, _launcher(rt, seen), 8, ("x",), (), "c0", async_op=True)
+    rt.capture = 1
+    calls.run(DEV, _launcher(rt, seen), 8, (), (), "captured", async_op=False)
+    rt.capture = 0
     stream, lane, _ = seen[0]
     calls.close()
-    assert {s.name for s, _ in rt.caller.waits} == {stream.name, lane.name}
-    assert not calls._in_flight and not calls._workspaces
+    assert ("synchronize", stream.name) in rt.log and ("synchronize", lane.name) in rt.log
+    assert not calls._in_flight and not calls._workspaces and not calls._captures
+    assert call.tensors == ("x",), "the Work still holds its tensors; the group no longer does"
+
+
+def test_group_close_destroys_communicators_before_releasing_cuda_calls(monkeypatch):
+    order = []
+    monkeypatch.setattr(qcoll._nccl, "destroy_communicator", lambda comm: order.append(comm))
+
+    class Calls:
+        def close(self):
+            order.append("cuda streams")
+
+    def member(name):
+        return types.SimpleNamespace(_closed=False, _nccl_comm=name, _owned_pg=None)
+
+    group = member("own")
+    group.__dict__.update(_intra=member("intra"), _inter=member("inter"),
+                          _calls=types.SimpleNamespace(close=lambda: order.append("cpu queue")),
+                          _cuda=Calls())
+    Group.close(group)
+    assert order == ["cpu queue", "intra", "inter", "own", "cuda streams"]
+
+
+def test_debug_check_is_skipped_while_capturing(monkeypatch):
+    rt, exchanged = FakeCuda(), []
+
+    def all_gather_object(out, obj, group=None):
+        assert not rt.capturing_now, "a capture cannot synchronize the host"
+        exchanged.append(obj)
+        out[:] = [obj] * len(out)
+
+    group = types.SimpleNamespace(size=2, _cuda=CudaCalls(rt), pg=None,
+                                  _calls=types.SimpleNamespace(drain=lambda: None))
+    monkeypatch.setenv("QCOLL_DEBUG", "1")
+    monkeypatch.setattr(collectives.dist, "all_gather_object", all_gather_object)
+    meta = ("quantized_allgather", 8)
+    rt.capture = 5
+    collectives._debug_check(group, meta, DEV)
+    assert exchanged == []
+    rt.capture = 0
+    collectives._debug_check(group, meta, DEV)  # eager calls (the warm-up) are checked
+    assert exchanged == [meta]

@@ -27,10 +27,16 @@ buffer per family and device, allocated on the communication stream, which alone
 one call after the other.
 
 CUDA graphs. Under torch.cuda.graph the same steps are captured: the events fork the
-family's streams off the capture stream and join them back. Once a call at least as large
-has run eagerly (torch's recommended warm-up), a captured call allocates nothing, queries
-no event and never synchronizes. A workspace a capture used is kept until the Group is
-closed (every replay writes it); no tensor is stashed (a graph's tensors are its owner's).
+family's streams off the capture stream and join them back. A captured async_op=True call
+keeps its tensors until its wait() inside the capture (a temporary of the capture is then
+not handed back to the graph's pool while the captured communication still reads it).
+Each capture owns its workspace: a replay is not ordered against the communication stream
+nor against another graph's replay, so no two may share one. The first captured call of a
+capture takes the cached workspace out of the eager cache (the capture's calls share it,
+one after the other on the captured stream; it is kept until the Group is closed) and the
+next eager call allocates a new one. So a capture allocates nothing when an eager call at
+least as large ran on the family since the previous capture (torch's warm-up before each
+capture); otherwise it allocates its workspace from the graph's pool.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from . import _C
 from ._calls import CommunicationError
 
 
@@ -62,33 +69,44 @@ class TorchCuda:
         with torch.cuda.device(device):
             return torch.cuda.is_current_stream_capturing()
 
+    def capture_id(self, device: torch.device) -> int:
+        """The id of the CUDA graph capture the current stream is part of; 0: none."""
+        return _C.cuda_capture_id(torch.cuda.current_stream(device).cuda_stream)
+
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 class CudaCall:
-    """One async_op=True call on CUDA tensors (the GPU half of a Work)."""
+    """One async_op=True call on CUDA tensors (the GPU half of a Work).
 
-    def __init__(self, runtime, device, done, tensors, comms: Sequence, describe: str,
-                 captured: bool):
+    marks[i]: how many operations comms[i] had enqueued under its watchdog once this call
+    was enqueued; the call failed when the watchdog gave up on one of them (failed_op <
+    mark), not when a later call failed after this one had completed."""
+
+    def __init__(self, runtime, device, done, tensors, comms: Sequence, marks: Sequence[int],
+                 describe: str, captured: bool):
         self._rt = runtime
         self._device = device
         self._done = done
         self.tensors = tensors  # None once the memory may be reused (see the module notes)
         self._comms = comms
+        self._marks = marks
         self._describe = describe
         self._captured = captured
 
     def failure(self) -> Optional[CommunicationError]:
-        """The error a communicator of this call recorded (its watchdog aborted it: a peer
-        died, timed out or NCCL failed), or None."""
-        for comm in self._comms:
+        """The error a communicator of this call recorded when its watchdog gave up on this
+        call or an earlier one (a peer died, timed out or NCCL failed), or None."""
+        for comm, mark in zip(self._comms, self._marks):
             why = getattr(comm, "error", "")  # only NCCL communicators have a watchdog
-            if why:
+            if why and comm.failed_op < mark:
                 return CommunicationError(f"{self._describe} failed: {why}")
         return None
 
     def wait(self) -> None:
+        if self._captured and not self._rt.capturing(self._device):
+            raise self._outside_capture()  # its event exists only inside the graph
         error = self.failure()
         if error is not None:
             raise error
@@ -103,9 +121,12 @@ class CudaCall:
         if self.failure() is not None:
             return True
         if self._captured:
-            raise RuntimeError(f"{self._describe} was captured into a CUDA graph: it runs when "
-                               "the graph replays; wait() it inside the capture instead")
+            raise self._outside_capture()
         return self._done.query()
+
+    def _outside_capture(self) -> RuntimeError:
+        return RuntimeError(f"{self._describe} was captured into a CUDA graph: it runs when "
+                            "the graph replays; wait() it inside the capture instead")
 
 
 class CudaCalls:
@@ -114,8 +135,8 @@ class CudaCalls:
     def __init__(self, runtime=None):
         self._rt = runtime if runtime is not None else TorchCuda()
         self._streams: dict = {}  # device -> (communication stream, lane stream)
-        self._workspaces: dict = {}  # device -> cached workspace (uint8)
-        self._retained: list = []  # workspaces captured into CUDA graphs
+        self._workspaces: dict = {}  # device -> the eager calls' workspace (uint8)
+        self._captures: dict = {}  # (device, capture id) -> that graph's workspaces, newest last
         self._in_flight: "collections.deque[CudaCall]" = collections.deque()
 
     def streams(self, device: torch.device) -> tuple:
@@ -123,14 +144,17 @@ class CudaCalls:
             self._streams[device] = (self._rt.new_stream(device), self._rt.new_stream(device))
         return self._streams[device]
 
+    def capturing(self, device: torch.device) -> bool:
+        return self._rt.capturing(device)
+
     def run(self, device: torch.device, launch: Callable, workspace_bytes: int,
             tensors: tuple, comms: Sequence, describe: str, async_op: bool) -> Optional[CudaCall]:
         """Enqueue one call: launch(stream, lane_stream, workspace) on the family's streams,
         ordered after the caller's current stream. Returns the CudaCall of an async_op=True
         call, None otherwise (the caller's stream then already waits for it)."""
         caller = self._rt.current_stream(device)
-        capturing = self._rt.capturing(device)
-        if not capturing:  # a query during capture would invalidate it
+        capture = self._rt.capture_id(device)
+        if not capture:  # a query during capture would invalidate it
             self._release_completed()
         stream, lane = self.streams(device)
         ready = self._rt.new_event()
@@ -139,7 +163,7 @@ class CudaCalls:
         done = self._rt.new_event()
         try:
             with self._rt.use_stream(stream):
-                launch(stream, lane, self._workspace(device, workspace_bytes, capturing))
+                launch(stream, lane, self._workspace(device, workspace_bytes, capture))
         except BaseException:
             # Part of the call may be enqueued (it reads the input): the caller's stream waits
             # for it, so the caller may free or reuse the tensors.
@@ -150,21 +174,29 @@ class CudaCalls:
         if not async_op:
             caller.wait_event(done)
             return None
-        call = CudaCall(self._rt, device, done, None if capturing else tensors, comms, describe,
-                        capturing)
-        if not capturing:
+        marks = tuple(getattr(comm, "ops_enqueued", 0) for comm in comms)
+        call = CudaCall(self._rt, device, done, tensors, comms, marks, describe, bool(capture))
+        if not capture:  # a captured call keeps its tensors until its wait() in the capture
             self._in_flight.append(call)
         return call
 
-    def _workspace(self, device: torch.device, nbytes: int, capturing: bool) -> torch.Tensor:
-        """The family's workspace on `device` (grown as needed; allocated while the
-        communication stream is current, so only that stream reuses its memory)."""
+    def _workspace(self, device: torch.device, nbytes: int, capture: int) -> torch.Tensor:
+        """The workspace of an eager call (the family's cached one, grown as needed) or of
+        a captured one (its graph's own; see the module notes). Allocated while the
+        communication stream is current, so only that stream reuses its memory."""
+        if capture:
+            owned = self._captures.setdefault((device, capture), [])
+            if not owned or owned[-1].numel() < nbytes:
+                cached = self._workspaces.get(device)
+                if cached is not None and cached.numel() >= nbytes:
+                    owned.append(self._workspaces.pop(device))  # the graph's from now on
+                else:  # not warmed up: the graph's pool; earlier captured calls keep theirs
+                    owned.append(self._rt.empty(nbytes, device))
+            return owned[-1][:nbytes]
         ws = self._workspaces.get(device)
         if ws is None or ws.numel() < nbytes:
             ws = self._rt.empty(nbytes, device)
             self._workspaces[device] = ws
-        if capturing and not any(ws is kept for kept in self._retained):
-            self._retained.append(ws)  # replays write it: never freed while the group lives
         return ws[:nbytes]
 
     def _release_completed(self) -> None:
@@ -173,14 +205,14 @@ class CudaCalls:
             self._in_flight.popleft().tensors = None
 
     def close(self) -> None:
-        """Drop everything; the caller's current stream of each device first waits for the
-        family's streams, so memory the calls used is reused only after them."""
-        for device, (stream, lane) in self._streams.items():
-            for s in (stream, lane):
-                event = self._rt.new_event()
-                event.record(s)
-                self._rt.current_stream(device).wait_event(event)
+        """Called once the family's communicators are destroyed (their work finished or
+        aborted, so nothing on the family's streams can wait forever): the host waits for
+        both streams of every device, then the tensors of calls never waited, the
+        workspaces (the graphs' included) and the streams are dropped."""
+        for stream, lane in self._streams.values():
+            stream.synchronize()
+            lane.synchronize()
         self._in_flight.clear()
         self._workspaces.clear()
-        self._retained.clear()
+        self._captures.clear()
         self._streams.clear()

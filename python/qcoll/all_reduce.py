@@ -79,8 +79,9 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     _check_hierarchical(hierarchical)
     check_error_feedback(error_feedback)
     g = resolve_group(group)
-    _debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, bits, inter_bits, group_size,
-                     stages, hierarchical, error_feedback is not None))
+    _debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, _check_bits(bits, "bits"),
+                     _check_bits(inter_bits, "inter_bits"), group_size, stages, hierarchical,
+                     error_feedback is not None), tensor.device)
 
     numel = tensor.numel()
     n = -(-numel // size)  # shard elements; the tensor is padded to size * n

@@ -76,10 +76,14 @@ def _group_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def _debug_check(group: Group, meta: tuple) -> None:
+def _debug_check(group: Group, meta: tuple, device: torch.device) -> None:
     """QCOLL_DEBUG=1: compare the call's metadata across ranks and raise on a mismatch
-    (instead of hanging or corrupting data inside the transport)."""
+    (instead of hanging or corrupting data inside the transport). Skipped while a CUDA
+    graph is being captured on `device`: the check synchronizes the host, which a capture
+    forbids (the eager warm-up calls before the capture are checked)."""
     if os.environ.get("QCOLL_DEBUG", "0") in ("", "0") or group.size == 1:
+        return
+    if device.type == "cuda" and group._cuda.capturing(device):
         return
     group._calls.drain()  # group.pg may be the worker's own (a sub-group's): never both at once
     metas = [None] * group.size
@@ -254,7 +258,8 @@ def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *
         n *= input.element_size()
     group_size = check_group_size(group_size)
     g = resolve_group(group)
-    _debug_check(g, ("quantized_allgather", n, output.numel(), str(input.dtype), wire_format, group_size))
+    _debug_check(g, ("quantized_allgather", n, output.numel(), str(input.dtype), wire_format, group_size),
+                 input.device)
     plan, run = _allgather_core(g, n, code, bits, group_size, input.device)
 
     def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
@@ -306,7 +311,7 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     g = resolve_group(group)
     _debug_check(g, ("quantized_reduce_scatter", n, input.numel(), str(input.dtype), op, intra,
                      inter, group_size, stages, hierarchical, error_feedback is not None,
-                     hadamard_size))
+                     hadamard_size), input.device)
     plan, run, extra_comms = _reduce_scatter_core(g, n, code, op, intra_bits, inter_bits, group_size,
                                                   stages, hierarchical, input.device, hadamard_size)
     first = first_hop_bits(g, plan.two_hop, intra_bits, inter_bits)

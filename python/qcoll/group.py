@@ -124,24 +124,29 @@ class Group:
         communicators and ProcessGroups this Group created (its sub-groups' too: intra, inter,
         then its own, so every rank destroys them in the same order). Destroying an NCCL
         communicator first lets its queued GPU work finish, within the group's timeout (past
-        it, or after an error, the communicator is aborted instead). Collective: every member
+        it, or after an error, the communicator is aborted instead); then the host waits for
+        the family's CUDA streams and the tensors of calls never waited are released. Collective: every member
         calls it, in the same order relative to other groups. The Group cannot be used
         afterwards."""
         if self._closed:
             return
         self._calls.close()
-        self._cuda.close()  # the current streams wait for the family's streams
-        for g in (self._intra, self._inter, self):
-            if g is not None and not g._closed:
-                g._closed = True
-                if g._nccl_comm is not None:
-                    from ._nccl import destroy_communicator
+        try:
+            for g in (self._intra, self._inter, self):
+                if g is not None and not g._closed:
+                    g._closed = True
+                    if g._nccl_comm is not None:
+                        from ._nccl import destroy_communicator
 
-                    comm, g._nccl_comm = g._nccl_comm, None
-                    destroy_communicator(comm)
-                if g._owned_pg is not None:
-                    dist.destroy_process_group(g._owned_pg)
-                    g._owned_pg = None
+                        comm, g._nccl_comm = g._nccl_comm, None
+                        destroy_communicator(comm)
+                    if g._owned_pg is not None:
+                        dist.destroy_process_group(g._owned_pg)
+                        g._owned_pg = None
+        finally:
+            # Only now, with the communicators' GPU work finished or aborted: the host waits
+            # for the family's streams, then the memory of un-waited calls is dropped.
+            self._cuda.close()
 
     # ---- transports --------------------------------------------------------------------
     def communicator(self, device: torch.device):

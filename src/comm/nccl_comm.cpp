@@ -2,6 +2,7 @@
 // reduce-scatter. Every NCCL call is checked; errors carry NCCL's message and file:line.
 #include "comm/nccl_comm.h"
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <utility>
@@ -29,8 +30,27 @@ ncclDataType_t nccl_type(DType t) {
 
 namespace {
 constexpr auto kPollInterval = std::chrono::milliseconds(10);  // the watchdog's period
-constexpr auto kSettlePoll = std::chrono::microseconds(50);    // an NCCL call in progress
+// An NCCL call in progress (from NCCL 2.22 every call on a nonblocking communicator may
+// report it) usually settles within microseconds: poll with yields this long, then sleep,
+// doubling from kFirstSleep up to kMaxSleep (init and finalize can take seconds).
+constexpr auto kSpinFor = std::chrono::microseconds(20);
+constexpr auto kFirstSleep = std::chrono::microseconds(10);
+constexpr auto kMaxSleep = std::chrono::microseconds(1000);
 using Clock = std::chrono::steady_clock;
+
+// Lets this thread query events recorded outside any capture while it, or another thread,
+// captures a CUDA graph (a failure found during an enqueue inside a capture), as torch's
+// CUDAStreamCaptureModeGuard does.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
 }  // namespace
 
 // Holds call_mu_ while one call is enqueued; refuses a destroyed or failed communicator and
@@ -133,13 +153,21 @@ NcclCommunicator::NcclCommunicator(const std::string& unique_id, int rank, int s
 }
 
 ncclResult_t NcclCommunicator::wait_settled(Clock::time_point deadline) const {
+  const auto spin_until = Clock::now() + kSpinFor;
+  auto sleep = kFirstSleep;
   for (;;) {
     ncclResult_t state = ncclSuccess;
     const ncclResult_t q = api_.ncclCommGetAsyncError(comm_, &state);
     if (q != ncclSuccess) return q;
     if (state != ncclInProgress) return state;
-    if (Clock::now() > deadline) return ncclInProgress;
-    std::this_thread::sleep_for(kSettlePoll);
+    const auto now = Clock::now();
+    if (now > deadline) return ncclInProgress;
+    if (now < spin_until) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 2, kMaxSleep);
+    }
   }
 }
 
@@ -167,6 +195,13 @@ void NcclCommunicator::settle(ncclResult_t result, const char* expr, const char*
 void NcclCommunicator::record_failure(const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (failed_) return;
+  {
+    RelaxedCaptureMode relaxed;
+    pop_completed_locked();  // a query error only makes the failure start earlier
+  }
+  // The abort that follows ends every operation still pending: the failure starts at the
+  // first one (or at the one being enqueued when nothing is pending).
+  failed_op_ = pending_.empty() ? ops_enqueued_ : pending_.front().op;
   failure_ = "NCCL communicator aborted: " + why;
   failed_ = true;
 }
@@ -189,32 +224,37 @@ void NcclCommunicator::watch(const char* what, cudaStream_t stream) {
   if (recorded != cudaSuccess) cudaEventDestroy(event);
   QCOLL_CUDA_CHECK(recorded);
   std::lock_guard<std::mutex> lock(mu_);
-  pending_.push_back(Pending{event, Clock::now() + timeout_, what});
+  pending_.push_back(Pending{event, Clock::now() + timeout_, what, ops_enqueued_++});
+}
+
+std::string NcclCommunicator::pop_completed_locked() {
+  while (!pending_.empty()) {
+    const Pending& p = pending_.front();
+    const cudaError_t q = cudaEventQuery(p.event);
+    if (q == cudaErrorNotReady) break;  // in order: later calls cannot have completed first
+    if (q != cudaSuccess)
+      return std::string("CUDA error while waiting for NCCL ") + p.what + ": " +
+             cudaGetErrorString(q);
+    cudaEventDestroy(p.event);
+    pending_.pop_front();
+  }
+  return "";
 }
 
 std::string NcclCommunicator::check_progress() {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Completed calls first: an error found below fails only the calls still pending.
+  std::string why = pop_completed_locked();
+  if (!why.empty()) return why;
   ncclResult_t async = ncclSuccess;
   if (api_.ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
       async != ncclInProgress)
     return std::string("NCCL reported an asynchronous error: ") + api_.ncclGetErrorString(async);
-  std::lock_guard<std::mutex> lock(mu_);
-  while (!pending_.empty()) {
-    const Pending& p = pending_.front();
-    const cudaError_t q = cudaEventQuery(p.event);
-    if (q == cudaSuccess) {
-      cudaEventDestroy(p.event);
-      pending_.pop_front();
-    } else if (q != cudaErrorNotReady) {
-      return std::string("CUDA error while waiting for NCCL ") + p.what + ": " +
-             cudaGetErrorString(q);
-    } else if (Clock::now() > p.deadline) {
-      std::ostringstream os;
-      os << "NCCL " << p.what << " did not complete within the timeout of "
-         << timeout_.count() / 1000.0 << " s (a peer died, hangs or never made the call)";
-      return os.str();
-    } else {
-      break;  // in order: later calls cannot have completed first
-    }
+  if (!pending_.empty() && Clock::now() > pending_.front().deadline) {
+    std::ostringstream os;
+    os << "NCCL " << pending_.front().what << " did not complete within the timeout of "
+       << timeout_.count() / 1000.0 << " s (a peer died, hangs or never made the call)";
+    return os.str();
   }
   return "";
 }
@@ -264,6 +304,16 @@ void NcclCommunicator::stop_watchdog() {
 std::string NcclCommunicator::error() const {
   std::lock_guard<std::mutex> lock(mu_);
   return failure_;
+}
+
+int64_t NcclCommunicator::ops_enqueued() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ops_enqueued_;
+}
+
+int64_t NcclCommunicator::failed_op() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failed_op_;
 }
 
 NcclCommunicator::~NcclCommunicator() {

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -28,7 +29,8 @@ namespace qcoll {
 // every 10 ms. When NCCL reports an error, or a call has not completed `timeout_s` after it
 // was enqueued, the communicator is aborted (which ends this rank's NCCL kernels and,
 // through them, makes the peers' calls fail or time out, so their watchdogs abort too) and
-// every later call on it raises with the reason, which error() returns.
+// every later call on it raises with the reason, which error() returns; failed_op() tells
+// which enqueued calls the failure covers (a call that had completed did not fail).
 class NcclCommunicator final : public Communicator {
  public:
   // unique_id: the nccl::kUniqueIdBytes bytes of nccl::nccl_unique_id() from member 0;
@@ -55,6 +57,12 @@ class NcclCommunicator final : public Communicator {
   bool alive() const { return comm_ != nullptr && !failed_; }
   // Why the watchdog aborted the communicator; "" while it is usable.
   std::string error() const;
+  // Operations enqueued under the watchdog so far (not those captured into a CUDA graph),
+  // numbered 0, 1, ... in enqueue (= stream) order.
+  int64_t ops_enqueued() const;
+  // Once error() is set: the number of the first operation that failed (every one from it on
+  // was aborted; the ones before it had completed); -1 while the communicator is usable.
+  int64_t failed_op() const;
 
  protected:
   void do_all_to_all(BufferRef send, BufferRef recv, int64_t bytes_per_peer,
@@ -74,7 +82,8 @@ class NcclCommunicator final : public Communicator {
   // settles; an error or the timeout marks the communicator failed and throws (Enqueue's
   // destructor then aborts it, after any open NCCL group was closed).
   void settle(nccl::ncclResult_t result, const char* expr, const char* file, int line);
-  // Records why the communicator failed (the first reason wins); call_mu_ held.
+  // Records why the communicator failed and from which operation on (the first reason
+  // wins); call_mu_ held.
   void record_failure(const std::string& why);
   // ncclCommAbort once (call_mu_ held); returns its result.
   nccl::ncclResult_t abort_locked();
@@ -83,12 +92,16 @@ class NcclCommunicator final : public Communicator {
   void watchdog_loop();
   // Why the communicator must be aborted now ("" if it is healthy); call_mu_ held.
   std::string check_progress();
+  // Drops the completed events at the front of pending_ (mu_ held); a query's CUDA error,
+  // or "".
+  std::string pop_completed_locked();
   void stop_watchdog();  // joins the thread and frees the events still pending
 
   struct Pending {
     CUevent_st* event;
     std::chrono::steady_clock::time_point deadline;
     const char* what;
+    int64_t op;  // its number (ops_enqueued())
   };
 
   const nccl::NcclApi& api_;
@@ -98,10 +111,12 @@ class NcclCommunicator final : public Communicator {
   // Lock order: call_mu_, then mu_. call_mu_ serializes every use of comm_ (enqueues, the
   // watchdog's checks, abort, destroy), so comm_ is never aborted under a caller's feet.
   mutable std::mutex call_mu_;
-  mutable std::mutex mu_;  // guards pending_, failure_, stop_
+  mutable std::mutex mu_;  // guards pending_, failure_, ops_enqueued_, failed_op_, stop_
   std::condition_variable wake_;
   std::deque<Pending> pending_;
   std::string failure_;
+  int64_t ops_enqueued_ = 0;
+  int64_t failed_op_ = -1;
   std::atomic<bool> failed_{false};  // comm_ failed (failure_ says why); it is, or is about to be, aborted
   bool aborted_ = false;             // ncclCommAbort was called (call_mu_)
   bool stop_ = false;

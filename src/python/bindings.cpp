@@ -21,6 +21,7 @@
 #include "torch_comm.h"
 #if defined(QCOLL_WITH_CUDA)
 #include "comm/nccl_comm.h"
+#include "cuda/cuda_check.h"
 #endif
 
 namespace py = pybind11;
@@ -98,9 +99,19 @@ void bind_collectives(py::module_& m) {
       .def_property_readonly("device", &qcoll::NcclCommunicator::device)
       .def_property_readonly("nccl_version", &qcoll::NcclCommunicator::nccl_version)
       .def_property_readonly("alive", &qcoll::NcclCommunicator::alive)
+      .def_property_readonly("ops_enqueued", &qcoll::NcclCommunicator::ops_enqueued)
+      .def_property_readonly("failed_op", &qcoll::NcclCommunicator::failed_op)
       // Both may wait on NCCL (destroy for the node's other members): release the GIL.
       .def("destroy", &qcoll::NcclCommunicator::destroy, py::call_guard<py::gil_scoped_release>())
       .def("abort", &qcoll::NcclCommunicator::abort, py::call_guard<py::gil_scoped_release>());
+  // The id of the CUDA graph capture `stream` is part of, 0 when it is not capturing: each
+  // capture owns its workspace (python/qcoll/_streams.py).
+  m.def("cuda_capture_id", [](uintptr_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    QCOLL_CUDA_CHECK(cudaStreamGetCaptureInfo(reinterpret_cast<cudaStream_t>(stream), &status, &id));
+    return status == cudaStreamCaptureStatusNone ? 0ULL : id;  // invalidated: still no queries
+  }, py::arg("stream"));
 #endif
   m.def("nccl_version", &qcoll::nccl::nccl_version_string);
   m.def("nccl_unique_id", [] { return py::bytes(qcoll::nccl::nccl_unique_id()); });
