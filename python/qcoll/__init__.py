@@ -3,6 +3,7 @@
 from ._version import __version__
 from ._calls import CommunicationError, Work
 from .collectives import quantized_allgather, quantized_reduce_scatter
+from .delta import delta_allgather
 from .group import Group, destroy, new_group
 from .info import build_info
 from .quantization import DEFAULT_GROUP_SIZE, QuantizedTensor, dequantize, quantize
@@ -16,6 +17,7 @@ __all__ = [
     "QuantizedTensor",
     "Work",
     "build_info",
+    "delta_allgather",
     "dequantize",
     "destroy",
     "new_group",
