@@ -82,6 +82,28 @@ def test_valid_values_accepted(kwargs):
         assert getattr(c, k) == v
 
 
+def test_stage_defaults():
+    assert ZeroConfig().stage == 3 and ZeroConfig().hpz is True and ZeroConfig().qwd is False
+    c = ZeroConfig(stage=2, qwd=True, weight_bits=4, grad_hadamard=True)
+    assert (c.stage, c.hpz, c.qwd, c.grad_hadamard) == (2, False, True, True)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(stage=1), "stage"),
+    (dict(stage=True), "stage"),
+    (dict(stage=2, hpz=True), "hpz=True does not apply to stage=2"),
+    (dict(stage=2, hpz_group_size=2), "hpz_group_size"),
+    (dict(qwd=True), "qwd=True needs stage=2"),
+    (dict(stage=2, qwd=True, qwz=False), "qwd=True needs qwz=True"),
+    (dict(grad_hadamard=True, qgz=False), "grad_hadamard=True needs qgz=True"),
+    (dict(qwd=1, stage=2), "qwd"),
+    (dict(grad_hadamard="yes"), "grad_hadamard"),
+])
+def test_switches_that_do_not_apply_to_the_stage_raise(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        ZeroConfig(**kwargs)
+
+
 def test_engine_rejects_a_config_that_is_not_a_zeroconfig():
     with pytest.raises(TypeError, match="config"):
         ZeroEngine(torch.nn.Linear(2, 2), torch.optim.SGD, config={"qwz": False})
