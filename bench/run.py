@@ -11,6 +11,9 @@ Suites:
   zero         a ZeRO-3 training step (small GPT, qcoll.zero.ZeroEngine, 2 nodes x 2 gloo
                ranks) per configuration: all off, qwZ, hpZ, qgZ alone, all on; --link GBIT
                runs it on the cluster suite's emulated cluster at that link rate
+  fidelity     issue 12's bar: final loss vs an fp32 reference and cross-node bytes of
+               ZeRO-3, ZeRO++ (+ Hadamard) and SDP4Bit (stage 2, qWD) on the convergence
+               test's language model
 
 The last line printed is `RESULT {json}`; --json also writes the result, with the command,
 machine and date, to PATH (e.g. bench/results/<suite>-<machine>.json); --plot writes a PNG
@@ -33,7 +36,7 @@ import torch  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 import qcoll  # noqa: E402
-from suites import cluster, collectives, group_size, kernels, zero  # noqa: E402
+from suites import cluster, collectives, fidelity, group_size, kernels, zero  # noqa: E402
 from timing import parse_sizes  # noqa: E402
 
 # Each suite module provides run(quick, progress, **options) -> dict, table(result) -> lines,
@@ -44,6 +47,7 @@ SUITES = {
     "collectives": collectives,
     "cluster": cluster,
     "zero": zero,
+    "fidelity": fidelity,
 }
 OPTIONS = {  # suite -> the options of this command line it understands
     "kernels": {"sizes", "device"},
@@ -51,6 +55,7 @@ OPTIONS = {  # suite -> the options of this command line it understands
     "collectives": {"sizes", "device", "pipeline_only", "overlap_only"},
     "cluster": {"sizes", "pipeline_only", "overlap_only"},
     "zero": {"link", "tiny", "dtype"},
+    "fidelity": {"tiny"},
 }
 
 
@@ -97,7 +102,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                         help="zero: compute (and unquantized wire) dtype, default bf16; fp32 where "
                              "bf16 matrix products are slow (CPUs without AVX-512 BF16)")
-    # Hidden: the zero suite on a tiny model, 2 configurations, 3 steps (the smoke test).
+    # Hidden: the zero / fidelity suite on a tiny model or few rows, 3 steps (the smoke tests).
     parser.add_argument("--tiny", action="store_true", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.link is not None and args.link == int(args.link):
