@@ -64,3 +64,22 @@ def test_link_option_is_refused_where_it_does_not_apply():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "collectives", "--link", "1"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "does not take --link" in proc.stderr
+
+
+def test_fidelity_tiny_result_line():
+    """`bench/run.py fidelity --tiny`: the fp32 reference, ZeRO-3, ZeRO++ and SDP4Bit without
+    Hadamard on the convergence test's model, 3 steps on 4 gloo ranks."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "fidelity", "--tiny"],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    result = json.loads(last[len("RESULT "):])
+    rows = {r["config"]: r for r in result["rows"]}
+    assert set(rows) == {"fp32 reference", "ZeRO-3", "ZeRO++", "SDP4Bit, no Hadamard"}
+    assert rows["fp32 reference"]["loss_gap_vs_reference"] == 0 and rows["fp32 reference"]["inter_bytes_per_rank"] == 0
+    # The first step's loss is the same model on the same batch: all rows agree closely.
+    first = rows["fp32 reference"]["losses"][0]
+    assert all(abs(r["losses"][0] - first) < 1e-2 * first for r in rows.values())
+    # qWD int4 weights + int8/int4 gradients: well under ZeRO-3's cross-node bytes.
+    assert rows["SDP4Bit, no Hadamard"]["inter_bytes_vs_zero3"] < 0.15
+    assert "loss_gap_ZeRO++" in result["targets"]
