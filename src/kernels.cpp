@@ -19,6 +19,17 @@ void validate(const QuantSpec& spec) {
   QCOLL_ARG_CHECK(spec.rounding == Rounding::kNearest || spec.rounding == Rounding::kStochastic,
                   "rounding must be nearest (0) or stochastic (1), got ",
                   static_cast<int>(spec.rounding));
+  validate_hadamard(spec.hadamard_size, spec.group_size);
+}
+
+void validate_hadamard(int64_t hadamard_size, int64_t group_size) {
+  if (hadamard_size == 0) return;
+  QCOLL_ARG_CHECK(hadamard_size >= kMinHadamardSize && hadamard_size <= kMaxHadamardSize &&
+                      (hadamard_size & (hadamard_size - 1)) == 0 &&
+                      group_size % hadamard_size == 0,
+                  "hadamard_size must be 0 (off) or a power of two from ", kMinHadamardSize,
+                  " to ", kMaxHadamardSize, " that divides group_size ", group_size, ", got ",
+                  hadamard_size);
 }
 
 using detail::check_device;
@@ -33,6 +44,7 @@ void quantize(const QuantizeArgs& a) {
   QCOLL_ARG_CHECK(a.input && a.codes && a.scales, "quantize: null input, codes or scales pointer");
   QCOLL_ARG_CHECK(a.spec.symmetric || a.offsets, "asymmetric quantize needs an offsets buffer");
   if (a.device.kind == DeviceKind::kCPU) return cpu::quantize(a);
+  QCOLL_ARG_CHECK(!a.spec.hadamard_size, "hadamard: the CUDA kernels do not have it yet");
 #if defined(QCOLL_WITH_CUDA)
   cuda::quantize(a);
 #endif
@@ -42,6 +54,7 @@ void dequantize(const DequantizeArgs& a) {
   QuantSpec spec;
   spec.bits = a.bits;
   spec.group_size = a.group_size;
+  spec.hadamard_size = a.hadamard_size;
   validate(spec);
   QCOLL_ARG_CHECK(a.n >= 0, "numel must be >= 0, got ", a.n);
   QCOLL_ARG_CHECK(dtype_valid(static_cast<int32_t>(a.dtype)), "output dtype must be float32, "
@@ -51,6 +64,7 @@ void dequantize(const DequantizeArgs& a) {
   QCOLL_ARG_CHECK(a.codes && a.scales && a.output, "dequantize: null codes, scales or output pointer");
   QCOLL_ARG_CHECK(a.symmetric || a.offsets, "asymmetric dequantize needs the offsets");
   if (a.device.kind == DeviceKind::kCPU) return cpu::dequantize(a);
+  QCOLL_ARG_CHECK(!a.hadamard_size, "hadamard: the CUDA kernels do not have it yet");
 #if defined(QCOLL_WITH_CUDA)
   cuda::dequantize(a);
 #endif

@@ -22,8 +22,12 @@ void validate(const WireFormat& fmt) {
     QuantSpec spec;
     spec.bits = fmt.bits;
     spec.group_size = fmt.group_size;
+    spec.hadamard_size = fmt.hadamard_size;
     validate(spec);
   }
+  QCOLL_ARG_CHECK(fmt.quantized() || fmt.hadamard_size == 0,
+                  "hadamard_size needs quantized chunks (bits 4 or 8), got bits 0 and "
+                  "hadamard_size ", fmt.hadamard_size);
   const int32_t raw = static_cast<int32_t>(fmt.raw_dtype);
   QCOLL_ARG_CHECK(fmt.quantized() ? dtype_valid(raw) : raw_dtype_valid(raw),
                   "wire dtype must be float32, float16 or bfloat16 (code 0-2)",
@@ -71,6 +75,7 @@ void encode_chunks(const EncodeArgs& a) {
   QCOLL_ARG_CHECK(a.input, "encode: null input pointer");
   check_chunks(a.output, a.chunk_stride, a.count, a.fmt, a.len, "encode output");
   if (a.device.kind == DeviceKind::kCPU) return cpu::encode_chunks(a);
+  QCOLL_ARG_CHECK(!a.fmt.hadamard_size, "hadamard: the CUDA kernels do not have it yet");
 #if defined(QCOLL_WITH_CUDA)
   cuda::encode_chunks(a);
 #endif
@@ -94,6 +99,10 @@ void reduce_chunks(const ReduceArgs& a) {
                         a.in_fmt.group_size == a.out_fmt.group_size,
                     "reduce: quantized input and output chunks must have the same group_size, "
                     "got ", a.in_fmt.group_size, " and ", a.out_fmt.group_size);
+    QCOLL_ARG_CHECK(!a.in_fmt.hadamard_size || !a.out_fmt.hadamard_size ||
+                        a.in_fmt.hadamard_size == a.out_fmt.hadamard_size,
+                    "reduce: input and output chunks must have the same hadamard_size (or "
+                    "one 0), got ", a.in_fmt.hadamard_size, " and ", a.out_fmt.hadamard_size);
   } else {
     QCOLL_ARG_CHECK(dtype_valid(static_cast<int32_t>(a.out_dtype)), "reduce: out dtype must "
                     "be float32, float16 or bfloat16 (code 0-2), got code ",
@@ -111,6 +120,8 @@ void reduce_chunks(const ReduceArgs& a) {
                     a.out_values_stride, " is below len ", a.len);
   }
   if (a.device.kind == DeviceKind::kCPU) return cpu::reduce_chunks(a);
+  QCOLL_ARG_CHECK(!a.in_fmt.hadamard_size && !a.out_fmt.hadamard_size,
+                  "hadamard: the CUDA kernels do not have it yet");
 #if defined(QCOLL_WITH_CUDA)
   cuda::reduce_chunks(a);
 #endif

@@ -306,3 +306,28 @@ def assert_matches_reference(q, ref: RefQuantized) -> None:
     else:
         assert q.offsets is not None, "asymmetric quantization must have offsets"
         assert_same_bits(q.offsets, ref.offsets, "offsets")
+
+
+# ---- Hadamard smoothing --------------------------------------------------------------------
+def hadamard_norm(size: int) -> float:
+    """fl32(1 / sqrt(size))."""
+    return float(torch.tensor(1.0 / size**0.5, dtype=F32))
+
+
+def hadamard(x: torch.Tensor, size: int) -> torch.Tensor:
+    """The orthonormal Walsh-Hadamard transform of every whole block of `size` elements of
+    the flat float32 run x (the contract of quant_math.h): stages with element strides 1, 2,
+    ..., size/2, each turning the pair (a, b) at (i, i + stride) into (a + b, a - b) in fp32,
+    then a multiply by fl32(1/sqrt(size)). A partial last block stays as it is. Its own
+    inverse. tests/test_hadamard.py checks it against the Sylvester matrix in float64."""
+    flat = x.detach().to("cpu").reshape(-1).to(F32).clone()
+    whole = flat.numel() // size * size
+    b = flat[:whole].reshape(-1, size)
+    s = 1
+    while s < size:
+        v = b.reshape(-1, size // (2 * s), 2, s)
+        lo, hi = v[:, :, 0, :], v[:, :, 1, :]
+        b = torch.stack([lo + hi, lo - hi], dim=2).reshape(-1, size)
+        s *= 2
+    flat[:whole] = (b * torch.full_like(b, hadamard_norm(size))).reshape(-1)
+    return flat

@@ -31,6 +31,7 @@ struct DequantizeArgs {
   int32_t bits = 8;
   int64_t group_size = 256;
   bool symmetric = true;
+  int32_t hadamard_size = 0;  // the codes are of transformed values: invert after decoding
   void* output = nullptr;  // n contiguous elements of `dtype`
   DType dtype = DType::kFloat32;
   Device device;

@@ -62,11 +62,15 @@ struct ReduceScatterPlan {
 // whenever the group has several nodes of several ranks (otherwise there is one hop).
 // headers: the call is checked across ranks first and every slot starts with a ChunkHeader
 // (host buffers only). min_stage_bytes: the
-// smallest slice (input bytes of one partition) a pipeline stage may have.
+// smallest slice (input bytes of one partition) a pipeline stage may have. hadamard_size:
+// the quantized hops carry Hadamard-smoothed codes (0: off); raw hops carry plain values.
+// Partial sums stay in the transformed domain between the hops (sums commute with it);
+// the last decode inverts it.
 ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t n, DType dtype,
                                       int32_t intra_bits, int32_t inter_bits, int64_t group_size,
                                       int32_t stages, int32_t hierarchical, bool headers = false,
-                                      int64_t min_stage_bytes = kMinPipelineStageBytes);
+                                      int64_t min_stage_bytes = kMinPipelineStageBytes,
+                                      int32_t hadamard_size = 0);
 
 // All-gather of n elements per rank: one slot per rank.
 struct AllGatherPlan {

@@ -225,6 +225,41 @@ QCOLL_HD int32_t bits_to_code(uint8_t b, int bits, bool symmetric) {
   return symmetric ? (n ^ 0x8) - 0x8 : n;  // sign-extend the nibble
 }
 
+// ---- Hadamard smoothing -------------------------------------------------------------------
+// The orthonormal Walsh-Hadamard transform of a block of `size` elements (a power of two, a
+// multiple of 8): stages with element strides 1, 2, 4, ..., size / 2, each replacing the
+// pair (a, b) at (i, i + stride), i & stride == 0, by (a + b, a - b); then every element
+// times hadamard_norm(size). H = H^T and H H = I, so it is its own inverse. The CPU and CUDA
+// kernels apply exactly these operations (hadamard8 on each packet, then the cross-packet
+// stages through butterfly(), then the norm) in this stage order; each stage's results
+// depend only on the previous stage's, so fp32 results are bit-identical however a stage's
+// pairs are distributed over threads.
+
+// fl(1 / sqrt(size)): a power of two times fl(1 / sqrt(2)) when log2(size) is odd (exact).
+QCOLL_HD float hadamard_norm(int size) {
+  float r = 1.0f;
+  int k = 1;
+  for (; 4 * k <= size; k *= 4) r = mul(r, 0.5f);
+  return k == size ? r : mul(r, 0.70710678118654752f);
+}
+
+// One butterfly as seen from one element: the lower element of a pair (upper == false) gets
+// mine + partner, the upper one partner - mine (the lower minus the upper).
+QCOLL_HD float butterfly(float mine, float partner, bool upper) {
+  return upper ? sub(partner, mine) : add(mine, partner);
+}
+
+// The stages with strides 1, 2 and 4, on 8 consecutive elements.
+QCOLL_HD void hadamard8(float* x) {
+  for (int s = 1; s < 8; s *= 2)
+    for (int i = 0; i < 8; ++i)
+      if (!(i & s)) {
+        const float a = x[i], b = x[i + s];
+        x[i] = add(a, b);
+        x[i + s] = sub(a, b);
+      }
+}
+
 // ---- dtype conversions (host side; device code uses the CUDA intrinsics, which round
 // the same way: nearest-even, NaN stays NaN) -------------------------------------------
 inline float bf16_bits_to_float(uint16_t h) {

@@ -29,6 +29,11 @@ enum class CodeFormat : int32_t {
 
 inline constexpr int64_t kGroupSizeMultiple = 8;
 inline constexpr int64_t kMaxGroupSize = int64_t{1} << 24;
+// Hadamard smoothing: blocks of a power of two in [kMinHadamardSize, kMaxHadamardSize]
+// elements that divides the group size (quant_math.h: hadamard_*). Whole packets of 8 at
+// least; at most 32 packets, so a block's exchanges stay inside one CUDA warp.
+inline constexpr int64_t kMinHadamardSize = 8;
+inline constexpr int64_t kMaxHadamardSize = 256;
 
 struct QuantSpec {
   int32_t bits = 8;  // 4 or 8
@@ -36,6 +41,7 @@ struct QuantSpec {
   bool symmetric = true;
   Rounding rounding = Rounding::kNearest;
   uint64_t seed = 0;  // used by stochastic rounding only
+  int32_t hadamard_size = 0;  // 0: off; else the codes are of the Hadamard-transformed values
 };
 
 inline constexpr int64_t num_groups(int64_t n, int64_t group_size) {
@@ -48,5 +54,8 @@ inline constexpr int64_t code_bytes(int64_t n, int32_t bits) {
 
 // Throws ArgumentError naming the offending field; used by every entry point.
 void validate(const QuantSpec& spec);
+// hadamard_size is 0, or a power of two in [kMinHadamardSize, kMaxHadamardSize] dividing
+// group_size (ArgumentError otherwise).
+void validate_hadamard(int64_t hadamard_size, int64_t group_size);
 
 }  // namespace qcoll

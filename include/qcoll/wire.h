@@ -22,6 +22,7 @@ struct WireFormat {
   int32_t bits = 8;  // 4 or 8: block-quantized; 0: raw values
   int64_t group_size = 256;
   DType raw_dtype = DType::kFloat32;  // element type of raw chunks
+  int32_t hadamard_size = 0;  // quantized only: codes of Hadamard-transformed values (0: off)
 
   bool quantized() const { return bits != 0; }
   // Byte offset of the scales inside a chunk of `len` elements.
@@ -32,7 +33,7 @@ struct WireFormat {
   }
 };
 
-// Throws ArgumentError unless bits is 0, 4 or 8 and group_size is valid.
+// Throws ArgumentError unless bits is 0, 4 or 8 and group_size (and hadamard_size) is valid.
 void validate(const WireFormat& fmt);
 
 // Encode `count` slices of `input` into consecutive chunks (Algorithm 2 of ZeRO++ fused in).
@@ -82,7 +83,12 @@ struct ReduceArgs {
 // Rules both kernels check (ArgumentError) or assume:
 //  - wire buffers and strides are 4-byte aligned (fp32 scales; 32-bit atomics on the GPU);
 //  - with swizzle, count == node_size * nodes;
-//  - a quantized input and a quantized output chunk share one group_size;
+//  - a quantized input and a quantized output chunk share one group_size, and one
+//    hadamard_size where both have one;
+//  - Hadamard domains: the values are transformed (whole blocks of each chunk, see
+//    quant_math.h) between decoding and re-encoding exactly when the input and output
+//    domains differ: raw -> Hadamard chunks forward, Hadamard chunks -> raw chunks or values
+//    inverse (the transform is its own inverse); equal domains are summed as they are.
 //  - out_wire does not overlap the input (not checked).
 // Sums start from source 0's decoded value, so one source reduces to exactly its decode.
 void encode_chunks(const EncodeArgs& args);

@@ -52,9 +52,17 @@ inline const char* exchange_name(uint16_t e) {
 
 inline constexpr uint32_t kChunkMagic = 0x71436f6c;  // "qCol"
 
+// Headers carry a hadamard_size (0 or a power of two up to 256) as its log2 in one byte.
+inline uint8_t hadamard_log2(int64_t size) {
+  uint8_t k = 0;
+  while ((int64_t{1} << k) < size) ++k;
+  return k;
+}
+
 struct ChunkHeader {
   uint32_t magic = kChunkMagic;
-  uint16_t exchange = 0;
+  uint8_t exchange = 0;
+  uint8_t hadamard = 0;  // log2 of the chunk's hadamard_size, 0: off
   uint8_t bits = 0;   // 0: raw values
   uint8_t dtype = 0;  // raw / source element type
   uint32_t group_size = 0;
@@ -70,7 +78,8 @@ inline constexpr int64_t kHeaderBytes = sizeof(ChunkHeader);
 inline ChunkHeader make_header(Exchange exchange, const WireFormat& fmt, int64_t len,
                                uint32_t sequence, int32_t stage, int32_t sender) {
   ChunkHeader h;
-  h.exchange = static_cast<uint16_t>(exchange);
+  h.exchange = static_cast<uint8_t>(exchange);
+  h.hadamard = hadamard_log2(fmt.hadamard_size);
   h.bits = static_cast<uint8_t>(fmt.bits);
   h.dtype = static_cast<uint8_t>(fmt.raw_dtype);
   h.group_size = fmt.quantized() ? static_cast<uint32_t>(fmt.group_size) : 0;
@@ -98,6 +107,7 @@ inline std::string describe(const ChunkHeader& h) {
   else os << "raw ";
   os << dtype_name(static_cast<DType>(h.dtype));
   if (h.bits) os << " in groups of " << h.group_size;
+  if (h.hadamard) os << ", Hadamard blocks of " << (1 << h.hadamard);
   os << ", " << h.len << " elements}";
   return os.str();
 }
@@ -131,7 +141,8 @@ struct CallHeader {
   uint8_t second_bits = 0;
   uint8_t op = 0;
   uint8_t two_hop = 0;
-  uint16_t stages = 0;
+  uint8_t stages = 0;    // the plan's stage count, clamped to 255
+  uint8_t hadamard = 0;  // log2 of hadamard_size, 0: off
   uint32_t group_size = 0;
   int64_t n = 0;  // elements per rank (all-gather input, reduce-scatter output)
   uint32_t sequence = 0;
@@ -154,9 +165,10 @@ inline std::string describe(const CallHeader& h) {
   } else {
     os << (h.two_hop ? "2-hop " : "1-hop ") << bits(h.first_bits);
     if (h.two_hop) os << " then " << bits(h.second_bits);
-    os << ", op " << (h.op == 1 ? "avg" : "sum") << ", " << h.stages << " stage(s)";
+    os << ", op " << (h.op == 1 ? "avg" : "sum") << ", " << int{h.stages} << " stage(s)";
   }
   if (h.first_bits || h.second_bits) os << ", group_size " << h.group_size;
+  if (h.hadamard) os << ", hadamard_size " << (1 << h.hadamard);
   return os.str();
 }
 

@@ -18,7 +18,7 @@ from ._calls import Work, new_traffic
 from ._device import device_args
 from ._dtypes import BYTES_CODE, DTYPE_CODES, dtype_code
 from .group import Group, resolve_group
-from .quantization import check_group_size
+from .quantization import check_group_size, check_hadamard
 
 OPS = {"sum": 0, "avg": 1}
 # Smallest pipeline stage (input bytes of one partition's slice) worth its exchanges;
@@ -158,9 +158,9 @@ def _allgather_plan(size, n, code, bits, group_size, headers):
 
 @functools.lru_cache(maxsize=1024)
 def _reduce_scatter_plan(size, node_size, n, code, intra, inter, group_size, stages, hierarchical,
-                         headers, min_stage_bytes):
+                         headers, min_stage_bytes, hadamard_size):
     return _C.plan_reduce_scatter(size, node_size, n, code, intra, inter, group_size, stages,
-                                  hierarchical, headers, min_stage_bytes)
+                                  hierarchical, headers, min_stage_bytes, hadamard_size)
 
 
 def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *, bits: Optional[int] = 8,
@@ -192,7 +192,8 @@ def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *
 def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, op: str = "avg",
                              intra_bits: Optional[int] = 8, inter_bits: Optional[int] = 4,
                              group_size: Optional[int] = None, pipeline_stages: Optional[int] = None,
-                             hierarchical: Optional[bool] = None, async_op: bool = False):
+                             hierarchical: Optional[bool] = None, hadamard: bool = False,
+                             hadamard_size: Optional[int] = None, async_op: bool = False):
     """reduce_scatter_tensor semantics: rank r's output = op over ranks of
     input[r*n:(r+1)*n], n = output.numel(). op: "avg" (true mean) or "sum"; reduced in fp32.
 
@@ -202,6 +203,12 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     hierarchical=False: one all-to-all at intra_bits (one node) or inter_bits (several).
     bits=None sends the input dtype; with hierarchical=False and the one hop unquantized
     this is the transport's own reduce-scatter.
+
+    hadamard=True (SDP4Bit's TLq-HS): the quantized hops carry the codes of Hadamard-smoothed
+    values (blocks of hadamard_size, as qcoll.quantize), fused into the kernels: the sender
+    transforms, the partial sums between the hops stay in the transformed domain, and the
+    final decode transforms back. Raw hops (bits=None) carry plain values; with both bits
+    None it is an error.
     """
     size = _group_size(group)
     n = output.numel() if isinstance(output, torch.Tensor) else 0
@@ -211,6 +218,9 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     intra = _check_bits(intra_bits, "intra_bits")
     inter = _check_bits(inter_bits, "inter_bits")
     group_size = check_group_size(group_size)
+    hadamard_size = check_hadamard(hadamard, hadamard_size, group_size)
+    if hadamard_size and not (intra or inter):
+        raise ValueError("hadamard=True needs a quantized hop (intra_bits or inter_bits not None)")
     stages = 1 if pipeline_stages is None else pipeline_stages
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ValueError(f"pipeline_stages must be a positive int or None, got {pipeline_stages!r}")
@@ -218,10 +228,10 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
         raise ValueError(f"hierarchical must be True, False or None, got {hierarchical!r}")
     g = resolve_group(group)
     _debug_check(g, ("quantized_reduce_scatter", n, input.numel(), str(input.dtype), op, intra_bits,
-                     inter_bits, group_size, stages, hierarchical))
+                     inter_bits, group_size, stages, hierarchical, hadamard_size))
     hier = -1 if hierarchical is None else int(hierarchical)
     plan = _reduce_scatter_plan(g.size, g.node_size, n, code, intra, inter, group_size, stages, hier,
-                                input.device.type == "cpu", _MIN_STAGE_BYTES)
+                                input.device.type == "cpu", _MIN_STAGE_BYTES, hadamard_size)
     intra_comm = g.intra.communicator(input.device) if plan.two_hop else None
     inter_comm = g.inter.communicator(input.device) if plan.two_hop else None
     op_code = OPS[op]

@@ -21,6 +21,13 @@ DEFAULT_GROUP_SIZE = 256
 GROUP_SIZE_MULTIPLE = _C.GROUP_SIZE_MULTIPLE
 MAX_GROUP_SIZE = _C.MAX_GROUP_SIZE
 ROUNDING_MODES = {"nearest": 0, "stochastic": 1}
+# Hadamard smoothing (hadamard=True): blocks of this many elements, or of the largest power
+# of two dividing group_size when that is smaller. Chosen from the int4 error table in
+# README.md ("Hadamard smoothing"): the error on outlier-heavy data falls with the block
+# size up to the largest the kernels take.
+DEFAULT_HADAMARD_SIZE = 256
+MIN_HADAMARD_SIZE = _C.MIN_HADAMARD_SIZE
+MAX_HADAMARD_SIZE = _C.MAX_HADAMARD_SIZE
 _SEED_LIMIT = 1 << 64
 
 
@@ -32,6 +39,8 @@ class QuantizedTensor:
     scales:   float32, one per group.
     offsets:  float32 group minima (asymmetric), or None (symmetric).
     shape, dtype: the original tensor's.
+    hadamard_size: 0, or the block size of the Hadamard transform the codes were taken
+              after (the scales are of the transformed values).
     """
 
     data: torch.Tensor
@@ -41,6 +50,7 @@ class QuantizedTensor:
     dtype: torch.dtype
     bits: int
     group_size: int
+    hadamard_size: int = 0  # codes of Hadamard-smoothed values (0: off); dequantize inverts
 
     def __post_init__(self):
         # A hand-built tensor may give the shape as a tuple or list.
@@ -97,6 +107,33 @@ def check_group_size(group_size, name: str = "group_size") -> int:
     return group_size
 
 
+def check_hadamard(hadamard, hadamard_size, group_size: int) -> int:
+    """The Hadamard block size for the kernels (0: off) from the public pair of arguments:
+    hadamard=True takes hadamard_size, or by default the largest power of two dividing
+    group_size up to DEFAULT_HADAMARD_SIZE; hadamard_size needs hadamard=True."""
+    if not isinstance(hadamard, bool):
+        raise TypeError(f"hadamard must be a bool, got {hadamard!r}")
+    if not hadamard:
+        if hadamard_size is not None:
+            raise ValueError(f"hadamard_size={hadamard_size!r} needs hadamard=True")
+        return 0
+    if hadamard_size is None:
+        return min(DEFAULT_HADAMARD_SIZE, group_size & -group_size)
+    if (
+        isinstance(hadamard_size, bool)
+        or not isinstance(hadamard_size, int)
+        or not MIN_HADAMARD_SIZE <= hadamard_size <= MAX_HADAMARD_SIZE
+        or hadamard_size & (hadamard_size - 1)
+        or group_size % hadamard_size
+    ):
+        raise ValueError(
+            f"hadamard_size must be a power of two from {MIN_HADAMARD_SIZE} to "
+            f"{MAX_HADAMARD_SIZE} that divides group_size {group_size} (or None for the "
+            f"default), got {hadamard_size!r}"
+        )
+    return hadamard_size
+
+
 def _check_rounding(rounding) -> int:
     if not isinstance(rounding, str) or rounding not in ROUNDING_MODES:
         raise ValueError(f"rounding must be one of {sorted(ROUNDING_MODES)}, got {rounding!r}")
@@ -121,6 +158,8 @@ def quantize(
     rounding: str = "nearest",
     seed: Optional[int] = None,
     out: Optional[QuantizedTensor] = None,
+    hadamard: bool = False,
+    hadamard_size: Optional[int] = None,
 ) -> QuantizedTensor:
     """Block-quantize ``x`` (float32/float16/bfloat16, CPU or CUDA, any shape and strides).
 
@@ -134,12 +173,21 @@ def quantize(
     ``out``: a QuantizedTensor whose buffers are reused (same numel, bits, group_size,
     symmetry and device), which saves the allocation (and, for large CPU tensors, the page
     faults of fresh memory) on repeated calls. The result shares them.
+
+    ``hadamard=True`` smooths outliers first (SDP4Bit's TLq-HS): each block of
+    ``hadamard_size`` consecutive elements (a power of two from 8 to 256 dividing
+    group_size; default: the largest such up to 256) goes through the orthonormal
+    Walsh-Hadamard transform before it is quantized, fused into the kernel; dequantize
+    applies the inverse. A tail shorter than a block stays untransformed. The bound above
+    then holds for the transformed values (the scales are theirs), and the round trip's
+    error is that error rotated back (the same RMS).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     code = dtype_code(x.dtype, "x")
     bits = check_bits(bits)
     group_size = check_group_size(group_size)
+    hadamard_size = check_hadamard(hadamard, hadamard_size, group_size)
     if not isinstance(symmetric, bool):
         raise TypeError(f"symmetric must be a bool, got {symmetric!r}")
     rounding_code = _check_rounding(rounding)
@@ -159,9 +207,9 @@ def quantize(
     _C.quantize(
         flat.data_ptr(), code, n, bits, group_size, symmetric, rounding_code, seed, 0,
         data.data_ptr(), scales.data_ptr(), 0 if offsets is None else offsets.data_ptr(),
-        kind, index, stream,
+        kind, index, stream, hadamard_size=hadamard_size,
     )
-    return QuantizedTensor(data, scales, offsets, x.shape, x.dtype, bits, group_size)
+    return QuantizedTensor(data, scales, offsets, x.shape, x.dtype, bits, group_size, hadamard_size)
 
 
 def _check_out_buffers(out, n: int, bits: int, group_size: int, symmetric: bool, device) -> None:
@@ -181,6 +229,11 @@ def _check_quantized(q: QuantizedTensor, name: str = "q") -> None:
         raise TypeError(f"{name} must be a qcoll.QuantizedTensor, got {type(q).__name__}")
     check_bits(q.bits, f"{name}.bits")
     check_group_size(q.group_size, f"{name}.group_size")
+    if q.hadamard_size:
+        try:
+            check_hadamard(True, q.hadamard_size, q.group_size)
+        except ValueError as e:
+            raise ValueError(f"{name}.{e}") from None
     n = q.numel
     expect = {f"{name}.data": (q.data, torch.uint8, code_bytes(n, q.bits)),
               f"{name}.scales": (q.scales, torch.float32, num_groups(n, q.group_size))}
@@ -203,6 +256,7 @@ def dequantize(
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Back to floating point: a tensor of q's shape in ``dtype`` (default: q.dtype).
+    Codes of Hadamard-smoothed values (q.hadamard_size) are transformed back, in the kernel.
 
     With ``out`` (contiguous, q.numel elements, on q's device) the result is written there
     and ``out`` is returned; its dtype is the output dtype.
@@ -227,5 +281,6 @@ def dequantize(
     _C.dequantize(
         q.data.data_ptr(), q.scales.data_ptr(), 0 if q.offsets is None else q.offsets.data_ptr(),
         q.numel, q.bits, q.group_size, q.symmetric, out.data_ptr(), code, kind, index, stream,
+        hadamard_size=q.hadamard_size,
     )
     return out

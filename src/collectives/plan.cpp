@@ -7,11 +7,12 @@ namespace qcoll {
 
 namespace {
 
-WireFormat wire(int32_t bits, int64_t group_size, DType dtype) {
+WireFormat wire(int32_t bits, int64_t group_size, DType dtype, int32_t hadamard_size = 0) {
   WireFormat f;
   f.bits = bits;
   f.group_size = group_size;
   f.raw_dtype = dtype;
+  f.hadamard_size = bits ? hadamard_size : 0;
   validate(f);
   return f;
 }
@@ -21,7 +22,7 @@ WireFormat wire(int32_t bits, int64_t group_size, DType dtype) {
 ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t n, DType dtype,
                                       int32_t intra_bits, int32_t inter_bits, int64_t group_size,
                                       int32_t stages, int32_t hierarchical, bool headers,
-                                      int64_t min_stage_bytes) {
+                                      int64_t min_stage_bytes, int32_t hadamard_size) {
   QCOLL_ARG_CHECK(world >= 1 && node_size >= 1 && world % node_size == 0, "node_size ",
                   node_size, " must divide the group size ", world);
   QCOLL_ARG_CHECK(n >= 0, "output numel must be >= 0, got ", n);
@@ -44,11 +45,11 @@ ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t 
   p.header = headers ? kHeaderBytes : 0;
   p.call_check = headers ? (world + 1) * kCallHeaderBytes : 0;
   if (p.two_hop) {
-    p.first = wire(intra_bits, group_size, dtype);
-    p.second = wire(inter_bits, group_size, dtype);
+    p.first = wire(intra_bits, group_size, dtype, hadamard_size);
+    p.second = wire(inter_bits, group_size, dtype, hadamard_size);
   } else {
     // One hop: it crosses nodes whenever the group spans several.
-    p.first = wire(p.nodes > 1 ? inter_bits : intra_bits, group_size, dtype);
+    p.first = wire(p.nodes > 1 ? inter_bits : intra_bits, group_size, dtype, hadamard_size);
     p.second = p.first;
   }
   return p;

@@ -173,7 +173,8 @@ void reduce_scatter(const ReduceScatterPlan& p, const CollectiveBuffers& b, DTyp
     call.second_bits = static_cast<uint8_t>(p.two_hop ? p.second.bits : 0);
     call.op = static_cast<uint8_t>(op);
     call.two_hop = p.two_hop;
-    call.stages = static_cast<uint16_t>(p.stages);
+    call.stages = static_cast<uint8_t>(p.stages < 255 ? p.stages : 255);
+    call.hadamard = hadamard_log2(p.first.hadamard_size | p.second.hadamard_size);
     call.group_size = p.first.quantized() || (p.two_hop && p.second.quantized())
                           ? static_cast<uint32_t>(p.first.group_size) : 0;
     call.sequence = sequence;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -94,6 +95,31 @@ QCOLL_INLINE void decode_chunk(const uint8_t* in, int64_t m, const math::GroupPa
     out[2 * i + 1] = math::dequantize_value(math::bits_to_code(in[i] >> 4, 4, sym), p, sym);
   }
   if (m & 1) out[m - 1] = math::dequantize_value(math::bits_to_code(in[pairs], 4, sym), p, sym);
+}
+
+// Hadamard smoothing (quant_math.h) of the whole blocks of `size` elements among x[0, m), in
+// place. x starts on a block boundary of its run, and m is a multiple of size except at the
+// run's end, whose partial block stays untransformed. The non-finite values an overflowing
+// sum may produce are left to the callers' stores, which canonicalize NaN.
+QCOLL_INLINE void hadamard_blocks(float* x, int64_t m, int size) {
+  m -= m % size;
+  for (int64_t i = 0; i < m; i += 8) math::hadamard8(x + i);
+  for (int64_t s = 8; s < size; s *= 2)
+    for (int64_t b = 0; b < m; b += 2 * s)
+      for (int64_t i = b; i < b + s; ++i) {
+        const float lo = x[i], hi = x[i + s];
+        x[i] = math::add(lo, hi);
+        x[i + s] = math::sub(lo, hi);
+      }
+  const float norm = math::hadamard_norm(size);
+  for (int64_t i = 0; i < m; ++i) x[i] = math::mul(x[i], norm);
+}
+
+// The transformed copy of m values in buf (which x may be already): buf itself.
+QCOLL_INLINE float* hadamard_into(const float* x, int64_t m, int size, float* buf) {
+  if (x != buf) std::memcpy(buf, x, static_cast<size_t>(m) * 4);
+  hadamard_blocks(buf, m, size);
+  return buf;
 }
 
 // Runs body(i0, i1) over contiguous ranges of [0, items), one per OpenMP thread.

@@ -16,6 +16,7 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kChunk = 1024;  // multiple of 8, so int4 chunks start on whole bytes
+static_assert(kChunk % kMaxHadamardSize == 0, "chunks hold whole Hadamard blocks");
 // The counter-based hash does not vectorize; stochastic codes go one value at a time.
 void code_stochastic(const float* x, int64_t m, const math::GroupParams& p, const QuantSpec& spec,
                      uint64_t key, uint64_t index0, uint8_t* out) {
@@ -49,10 +50,19 @@ QCOLL_INLINE void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key)
   const int64_t len = std::min(spec.group_size, a.n - begin);
   const char* src = static_cast<const char*>(a.input) + begin * esize;
 
+  // The values of elements [c, c + m) of the group: Hadamard-transformed in buf when asked
+  // (chunks start on block boundaries: kChunk is a multiple of kMaxHadamardSize).
+  const int hadamard = spec.hadamard_size;
+  const auto values = [&](int64_t c, int64_t m) {
+    const float* x = as_float(src + c * esize, a.dtype, m, buf);
+    return hadamard ? hadamard_into(x, m, hadamard, buf) : x;
+  };
   math::GroupStats stats = math::stats_identity();
+  const float* x = nullptr;
   for (int64_t c = 0; c < len; c += kChunk) {
     const int64_t m = std::min(kChunk, len - c);
-    accumulate_stats(as_float(src + c * esize, a.dtype, m, buf), m, spec.symmetric, stats);
+    x = values(c, m);
+    accumulate_stats(x, m, spec.symmetric, stats);
   }
   const math::GroupParams p = math::group_params(stats, spec.bits, spec.symmetric);
   a.scales[g] = p.scale;
@@ -60,7 +70,8 @@ QCOLL_INLINE void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key)
 
   for (int64_t c = 0; c < len; c += kChunk) {
     const int64_t m = std::min(kChunk, len - c);
-    code_chunk(as_float(src + c * esize, a.dtype, m, buf), m, p, spec, key,
+    // A group of one chunk is still in x: transformed values are not computed twice.
+    code_chunk(hadamard && len <= kChunk ? x : values(c, m), m, p, spec, key,
                a.index_base + static_cast<uint64_t>(begin + c),
                a.codes + code_bytes(begin + c, spec.bits));
   }
@@ -80,12 +91,15 @@ QCOLL_INLINE void dequantize_group(const DequantizeArgs& a, int64_t g) {
     if (a.dtype == DType::kFloat32) {
       float* out = reinterpret_cast<float*>(dst + c * esize);
       decode_chunk(in, m, p, a.bits, a.symmetric, out);
-      // A non-finite group's NaN scale (or offset) makes every value NaN: store CUDA's
-      // canonical NaN, as store_from_float does for the other dtypes.
-      if (!math::is_finite(p.scale) || !math::is_finite(p.offset))
+      if (a.hadamard_size) hadamard_blocks(out, m, a.hadamard_size);  // the inverse
+      // A non-finite group's NaN scale (or offset) makes every value NaN, and an overflowing
+      // inverse transform may make some: store CUDA's canonical NaN, as store_from_float
+      // does for the other dtypes.
+      if (!math::is_finite(p.scale) || !math::is_finite(p.offset) || a.hadamard_size)
         store_from_float(out, DType::kFloat32, m, out);
     } else {
       decode_chunk(in, m, p, a.bits, a.symmetric, buf);
+      if (a.hadamard_size) hadamard_blocks(buf, m, a.hadamard_size);
       store_from_float(buf, a.dtype, m, dst + c * esize);
     }
   }

@@ -121,6 +121,26 @@ QCOLL_INLINE void encode_block_raw(uint8_t* chunk, const WireFormat& fmt, int64_
   store_from_float(fill(begin, k, buf), fmt.raw_dtype, k, chunk + begin * esize);
 }
 
+// `fill`, then Hadamard smoothing of the values (size 0: none). Pieces start on block
+// boundaries (kBlock and group sizes are multiples of the size), so whole blocks of a piece
+// are whole blocks of the chunk, and only the chunk's partial last block stays as it is.
+template <typename Fill>
+struct HadamardFill {
+  Fill fill;
+  int size;
+  QCOLL_INLINE const float* operator()(int64_t e, int64_t k, float* buf) const {
+    const float* x = fill(e, k, buf);
+    return size ? hadamard_into(x, k, size, buf) : x;
+  }
+};
+static_assert(kBlock % kMaxHadamardSize == 0, "blocks hold whole Hadamard blocks");
+
+// The transform between a reduce's input and output domains (wire.h): none when they agree.
+int reduce_hadamard(const WireFormat& in, int32_t out_hadamard) {
+  return in.hadamard_size == out_hadamard ? 0
+                                          : (in.hadamard_size ? in.hadamard_size : out_hadamard);
+}
+
 // Units of work: `per_item` groups or blocks of each of `items` chunks.
 struct Plan {
   int64_t per_item;
@@ -152,7 +172,7 @@ QCOLL_INLINE void encode_unit(const EncodeArgs& a, const Plan& pl, int64_t u, fl
   uint8_t* chunk = a.output + k * a.chunk_stride;
   const SliceFill fill{src, a.dtype};
   if (a.fmt.quantized()) {
-    encode_group(chunk, a.fmt, a.len, g, buf, fill);
+    encode_group(chunk, a.fmt, a.len, g, buf, HadamardFill<SliceFill>{fill, a.fmt.hadamard_size});
   } else if (a.dtype == a.fmt.raw_dtype) {  // a copy
     const int64_t begin = g * kBlock;
     const int64_t m = std::min(kBlock, a.len - begin);
@@ -221,7 +241,9 @@ QCOLL_INLINE void reduce_unit(const ReduceArgs& a, const Plan& pl, int64_t u, fl
                               float* tmp) {
   const int64_t o = u / pl.per_item;
   const int64_t g = u % pl.per_item;
-  const SumFill fill{&a, o, tmp};
+  const HadamardFill<SumFill> fill{
+      SumFill{&a, o, tmp},
+      reduce_hadamard(a.in_fmt, a.out_wire ? a.out_fmt.hadamard_size : 0)};
   if (!a.out_wire) {
     const int64_t begin = g * kBlock;
     const int64_t k = std::min(kBlock, a.len - begin);

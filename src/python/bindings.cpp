@@ -106,15 +106,17 @@ void bind_collectives(py::module_& m) {
   m.def(
       "plan_reduce_scatter",
       [](int world, int node_size, int64_t n, int dtype, int intra_bits, int inter_bits,
-         int64_t group_size, int stages, int hierarchical, bool headers, int64_t min_stage_bytes) {
+         int64_t group_size, int stages, int hierarchical, bool headers, int64_t min_stage_bytes,
+         int hadamard_size) {
         return qcoll::plan_reduce_scatter(world, node_size, n, static_cast<qcoll::DType>(dtype),
                                           intra_bits, inter_bits, group_size, stages, hierarchical,
-                                          headers, min_stage_bytes);
+                                          headers, min_stage_bytes, hadamard_size);
       },
       py::arg("world"),
         py::arg("node_size"), py::arg("n"), py::arg("dtype"), py::arg("intra_bits"),
         py::arg("inter_bits"), py::arg("group_size"), py::arg("stages"), py::arg("hierarchical"),
-        py::arg("headers") = false, py::arg("min_stage_bytes") = qcoll::kMinPipelineStageBytes);
+        py::arg("headers") = false, py::arg("min_stage_bytes") = qcoll::kMinPipelineStageBytes,
+        py::arg("hadamard_size") = 0);
   py::class_<qcoll::AllGatherPlan>(m, "AllGatherPlan")
       .def_property_readonly("chunk", &qcoll::AllGatherPlan::chunk)
       .def_readonly("header", &qcoll::AllGatherPlan::header)
@@ -199,6 +201,8 @@ PYBIND11_MODULE(_C, m) {
   bind_collectives(m);
   m.attr("GROUP_SIZE_MULTIPLE") = qcoll::kGroupSizeMultiple;
   m.attr("MAX_GROUP_SIZE") = qcoll::kMaxGroupSize;
+  m.attr("MIN_HADAMARD_SIZE") = qcoll::kMinHadamardSize;
+  m.attr("MAX_HADAMARD_SIZE") = qcoll::kMaxHadamardSize;
   m.attr("MIN_PIPELINE_STAGE_BYTES") = qcoll::kMinPipelineStageBytes;
   m.attr("WIRE_HEADER_BYTES") = qcoll::kHeaderBytes;
 }

@@ -29,11 +29,12 @@ inline Device device(int kind, int index, uintptr_t stream) {
   return d;
 }
 
-inline WireFormat wire_format(int bits, int64_t group_size, int raw_dtype) {
+inline WireFormat wire_format(int bits, int64_t group_size, int raw_dtype, int hadamard_size = 0) {
   WireFormat f;
   f.bits = bits;
   f.group_size = group_size;
   f.raw_dtype = static_cast<DType>(raw_dtype);
+  f.hadamard_size = hadamard_size;
   return f;
 }
 
@@ -51,7 +52,8 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
       "quantize",
       [=](uintptr_t input, int dtype, int64_t n, int bits, int64_t group_size, bool symmetric,
           int rounding, uint64_t seed, uint64_t index_base, uintptr_t codes, uintptr_t scales,
-          uintptr_t offsets, int device_kind, int device_index, uintptr_t stream) {
+          uintptr_t offsets, int device_kind, int device_index, uintptr_t stream,
+          int hadamard_size) {
         QuantizeArgs a;
         a.input = ptr(input);
         a.dtype = static_cast<DType>(dtype);
@@ -61,6 +63,7 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         a.spec.symmetric = symmetric;
         a.spec.rounding = static_cast<Rounding>(rounding);
         a.spec.seed = seed;
+        a.spec.hadamard_size = hadamard_size;
         a.index_base = index_base;
         a.codes = static_cast<uint8_t*>(ptr(codes));
         a.scales = static_cast<float*>(ptr(scales));
@@ -72,12 +75,12 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
       py::arg("input"), py::arg("dtype"), py::arg("n"), py::arg("bits"), py::arg("group_size"),
       py::arg("symmetric"), py::arg("rounding"), py::arg("seed"), py::arg("index_base"),
       py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("device_kind"),
-      py::arg("device_index"), py::arg("stream"));
+      py::arg("device_index"), py::arg("stream"), py::arg("hadamard_size") = 0);
   m.def(
       "dequantize",
       [=](uintptr_t codes, uintptr_t scales, uintptr_t offsets, int64_t n, int bits,
           int64_t group_size, bool symmetric, uintptr_t output, int dtype, int device_kind,
-          int device_index, uintptr_t stream) {
+          int device_index, uintptr_t stream, int hadamard_size) {
         DequantizeArgs a;
         a.codes = static_cast<const uint8_t*>(ptr(codes));
         a.scales = static_cast<const float*>(ptr(scales));
@@ -86,6 +89,7 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         a.bits = bits;
         a.group_size = group_size;
         a.symmetric = symmetric;
+        a.hadamard_size = hadamard_size;
         a.output = ptr(output);
         a.dtype = static_cast<DType>(dtype);
         a.device = device(device_kind, device_index, stream);
@@ -94,7 +98,8 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
       },
       py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("n"), py::arg("bits"),
       py::arg("group_size"), py::arg("symmetric"), py::arg("output"), py::arg("dtype"),
-      py::arg("device_kind"), py::arg("device_index"), py::arg("stream"));
+      py::arg("device_kind"), py::arg("device_index"), py::arg("stream"),
+      py::arg("hadamard_size") = 0);
   m.def(
       "wire_chunk_bytes",
       [](int bits, int64_t group_size, int raw_dtype, int64_t len) {
@@ -107,7 +112,8 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
       "encode_chunks",
       [=](uintptr_t input, int dtype, int64_t partition_elems, int64_t slice_begin, int64_t len,
           int count, int node_size, int nodes, int bits, int64_t group_size, uintptr_t output,
-          int64_t chunk_stride, int device_kind, int device_index, uintptr_t stream) {
+          int64_t chunk_stride, int device_kind, int device_index, uintptr_t stream,
+          int hadamard_size) {
         EncodeArgs a;
         a.input = ptr(input);
         a.dtype = static_cast<DType>(dtype);
@@ -117,7 +123,7 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         a.count = count;
         a.node_size = node_size;
         a.nodes = nodes;
-        a.fmt = wire_format(bits, group_size, dtype);
+        a.fmt = wire_format(bits, group_size, dtype, hadamard_size);
         a.output = static_cast<uint8_t*>(ptr(output));
         a.chunk_stride = chunk_stride;
         a.device = device(device_kind, device_index, stream);
@@ -127,17 +133,18 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
       py::arg("input"), py::arg("dtype"), py::arg("partition_elems"), py::arg("slice_begin"),
       py::arg("len"), py::arg("count"), py::arg("node_size"), py::arg("nodes"), py::arg("bits"),
       py::arg("group_size"), py::arg("output"), py::arg("chunk_stride"),
-      py::arg("device_kind"), py::arg("device_index"), py::arg("stream"));
+      py::arg("device_kind"), py::arg("device_index"), py::arg("stream"),
+      py::arg("hadamard_size") = 0);
   m.def(
       "reduce_chunks",
       [=](uintptr_t input, int in_bits, int64_t group_size, int raw_dtype, int64_t len,
           int sources, int64_t source_stride, int outputs, int64_t output_in_stride,
           float divisor, uintptr_t out_wire, int out_bits, int64_t out_chunk_stride,
           uintptr_t out_values, int out_dtype, int64_t out_values_stride, int device_kind,
-          int device_index, uintptr_t stream) {
+          int device_index, uintptr_t stream, int in_hadamard, int out_hadamard) {
         ReduceArgs a;
         a.input = static_cast<const uint8_t*>(ptr(input));
-        a.in_fmt = wire_format(in_bits, group_size, raw_dtype);
+        a.in_fmt = wire_format(in_bits, group_size, raw_dtype, in_hadamard);
         a.len = len;
         a.sources = sources;
         a.source_stride = source_stride;
@@ -145,7 +152,7 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         a.output_in_stride = output_in_stride;
         a.divisor = divisor;
         a.out_wire = static_cast<uint8_t*>(ptr(out_wire));
-        a.out_fmt = wire_format(out_bits, group_size, raw_dtype);
+        a.out_fmt = wire_format(out_bits, group_size, raw_dtype, out_hadamard);
         a.out_chunk_stride = out_chunk_stride;
         a.out_values = ptr(out_values);
         a.out_dtype = static_cast<DType>(out_dtype);
@@ -159,7 +166,7 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
       py::arg("output_in_stride"), py::arg("divisor"), py::arg("out_wire"), py::arg("out_bits"),
       py::arg("out_chunk_stride"), py::arg("out_values"), py::arg("out_dtype"),
       py::arg("out_values_stride"), py::arg("device_kind"), py::arg("device_index"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("in_hadamard") = 0, py::arg("out_hadamard") = 0);
 }
 
 }  // namespace binding
