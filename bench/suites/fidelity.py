@@ -2,8 +2,8 @@
 (tests/test_zero_convergence.py: examples/gpt.py's GPT, vocab 16, 1 layer, d_model 64, on
 its synthetic second-order Markov language; AdamW lr 5e-3, weight decay 0.01, no clipping;
 8 sequences of 32 tokens per rank) trained on 4 gloo ranks as 2 nodes x 2, bf16 compute,
-per configuration, against the same model trained in fp32 in one process on the same global
-batches:
+per configuration, for 600 steps (near the loss plateau; the test stops at 200), against the
+same model trained in fp32 in one process on the same global batches:
 
   ZeRO-3            stage 3, nothing quantized (the bytes baseline)
   ZeRO++            stage 3, qwZ int8 weights + hpZ + qgZ int8 / int4 gradients
@@ -53,7 +53,10 @@ def hadamard_available() -> bool:
 
 
 def config(quick: bool, tiny: bool = False) -> dict:
-    steps, tail = (3, 2) if tiny else (60, 10) if quick else (int(os.environ.get("FID_STEPS", 200)), int(os.environ.get("FID_TAIL", 20)))
+    # 600 steps, the mean of the last 50: at the convergence test's 200 steps the loss still
+    # falls steeply and the gaps are mostly trajectory noise (bf16 ZeRO-3 alone -0.8%, ZeRO++
+    # -3.0%); near the plateau they measure fidelity (-0.3% and -0.2%).
+    steps, tail = (3, 2) if tiny else (200, 20) if quick else (600, 50)
     configs = [c for c in CONFIGS if hadamard_available() or not c[1].get("grad_hadamard")]
     if tiny:
         configs = [c for c in configs if c[0] in ("fp32 reference", "ZeRO-3", "ZeRO++", "SDP4Bit, no Hadamard")]
