@@ -14,6 +14,9 @@ Suites:
                DDP steps, default all-reduce vs qcoll.ddp's hook
   error_feedback  int4 gradients with and without qcoll.ErrorFeedback (DDP, convergence
                test's GPT)
+  fidelity     issue 12's bar: final loss vs an fp32 reference and cross-node bytes of
+               ZeRO-3, ZeRO++ (+ Hadamard) and SDP4Bit (stage 2, qWD) on the convergence
+               test's language model
 
 The last line printed is `RESULT {json}`; --json also writes the result, with the command,
 machine and date, to PATH (e.g. bench/results/<suite>-<machine>.json); --plot writes a PNG
@@ -36,7 +39,7 @@ import torch  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 import qcoll  # noqa: E402
-from suites import cluster, collectives, error_feedback, group_size, kernels, zero  # noqa: E402
+from suites import cluster, collectives, error_feedback, fidelity, group_size, kernels, zero  # noqa: E402
 from timing import parse_sizes  # noqa: E402
 
 # Each suite module provides run(quick, progress, **options) -> dict, table(result) -> lines,
@@ -48,6 +51,7 @@ SUITES = {
     "cluster": cluster,
     "zero": zero,
     "error_feedback": error_feedback,
+    "fidelity": fidelity,
 }
 OPTIONS = {  # suite -> the options of this command line it understands
     "kernels": {"sizes", "device"},
@@ -56,6 +60,7 @@ OPTIONS = {  # suite -> the options of this command line it understands
     "cluster": {"sizes", "pipeline_only", "overlap_only", "all_reduce_only"},
     "zero": {"link", "tiny", "dtype", "ddp"},
     "error_feedback": set(),
+    "fidelity": {"tiny"},
 }
 
 
@@ -108,7 +113,7 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true", default=None,
                         help="zero: DistributedDataParallel steps instead, DDP's default all-reduce "
                              "vs qcoll.ddp's quantized hook")
-    # Hidden: the zero suite on a tiny model, 2 configurations, 3 steps (the smoke test).
+    # Hidden: the zero / fidelity suite on a tiny model or few rows, 3 steps (the smoke tests).
     parser.add_argument("--tiny", action="store_true", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.link is not None and args.link == int(args.link):

@@ -77,3 +77,22 @@ def test_zero_ddp_tiny_result_line():
     assert set(rows) == {"DDP", "DDP+qcoll"}
     assert all(r["step_time_s"] > 0 and len(r["losses"]) == r["steps"] for r in rows.values())
     assert 0 < rows["DDP+qcoll"]["inter_bytes_per_rank"] < 0.5 * rows["DDP"]["inter_bytes_per_rank"]
+
+
+def test_fidelity_tiny_result_line():
+    """`bench/run.py fidelity --tiny`: the fp32 reference, ZeRO-3, ZeRO++ and SDP4Bit without
+    Hadamard on the convergence test's model, 3 steps on 4 gloo ranks."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "fidelity", "--tiny"],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    result = json.loads(last[len("RESULT "):])
+    rows = {r["config"]: r for r in result["rows"]}
+    assert set(rows) == {"fp32 reference", "ZeRO-3", "ZeRO++", "SDP4Bit, no Hadamard"}
+    assert rows["fp32 reference"]["loss_gap_vs_reference"] == 0 and rows["fp32 reference"]["inter_bytes_per_rank"] == 0
+    # The first step's loss is the same model on the same batch: all rows agree closely.
+    first = rows["fp32 reference"]["losses"][0]
+    assert all(abs(r["losses"][0] - first) < 1e-2 * first for r in rows.values())
+    # qWD int4 weights + int8/int4 gradients: well under ZeRO-3's cross-node bytes.
+    assert rows["SDP4Bit, no Hadamard"]["inter_bytes_vs_zero3"] < 0.15
+    assert "loss_gap_ZeRO++" in result["targets"]

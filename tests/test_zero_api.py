@@ -82,6 +82,28 @@ def test_valid_values_accepted(kwargs):
         assert getattr(c, k) == v
 
 
+def test_stage_defaults():
+    assert ZeroConfig().stage == 3 and ZeroConfig().hpz is True and ZeroConfig().qwd is False
+    c = ZeroConfig(stage=2, qwd=True, weight_bits=4, grad_hadamard=True)
+    assert (c.stage, c.hpz, c.qwd, c.grad_hadamard) == (2, False, True, True)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(stage=1), "stage"),
+    (dict(stage=True), "stage"),
+    (dict(stage=2, hpz=True), "hpz=True does not apply to stage=2"),
+    (dict(stage=2, hpz_group_size=2), "hpz_group_size"),
+    (dict(qwd=True), "qwd=True needs stage=2"),
+    (dict(stage=2, qwd=True, qwz=False), "qwd=True needs qwz=True"),
+    (dict(grad_hadamard=True, qgz=False), "grad_hadamard=True needs qgz=True"),
+    (dict(qwd=1, stage=2), "qwd"),
+    (dict(grad_hadamard="yes"), "grad_hadamard"),
+])
+def test_switches_that_do_not_apply_to_the_stage_raise(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        ZeroConfig(**kwargs)
+
+
 def test_engine_rejects_a_config_that_is_not_a_zeroconfig():
     with pytest.raises(TypeError, match="config"):
         ZeroEngine(torch.nn.Linear(2, 2), torch.optim.SGD, config={"qwz": False})
@@ -140,6 +162,14 @@ def _worker(rank, world):
         losses = [_one_step(engine, rank, s) for s in range(2)]
         out[f"hpz{size}"] = dict(losses=losses, stats=engine.stats())
 
+    # SDP4Bit's switches: Hadamard-smoothed gradients (stage 3), and stage 2 with qWD.
+    for name, kwargs in (("hadamard", dict(grad_hadamard=True)),
+                         ("sdp4bit", dict(stage=2, qwd=True, weight_bits=4, grad_hadamard=True))):
+        engine = _engine(None, **kwargs)
+        started = engine.stats()  # stage 2: the unquantized all-gather that starts the replicas
+        losses = [_one_step(engine, rank, s) for s in range(2)]
+        out[name] = dict(losses=losses, stats=engine.stats(), state=engine.full_state_dict(), started=started)
+
     # An hpZ group size that does not divide the node size: a clear error on every rank.
     try:
         _engine(None, hpz_group_size=3)
@@ -192,6 +222,30 @@ def test_hpz_group_smaller_than_node():
         assert node["inter_bytes"] == 0 and node["intra_bytes"] > 0
         assert one["calls"] == node["calls"]
         assert r["hpz1"]["stats"]["forward_allgather"] == r["hpz2"]["stats"]["forward_allgather"]
+
+
+def test_grad_hadamard_reaches_the_reduce_scatter():
+    """Same bytes, other (smoothed) gradient codes: the weights differ after a step, but
+    the training stays close to the unsmoothed one."""
+    for r in _runs():
+        had, base = r["hadamard"], r["none"]
+        assert had["stats"]["reduce_scatter"] == base["stats"]["reduce_scatter"]
+        assert had["losses"][0] == base["losses"][0]  # the same first forward
+        assert any(not torch.equal(had["state"][k], base["state"][k]) for k in base["state"])
+        assert had["losses"][1] == pytest.approx(base["losses"][1], rel=0.05)
+
+
+def test_stage2_qwd_engine_on_two_nodes():
+    """Stage 2: no backward gather; per step only the int4 differences of the updated weights
+    cross nodes: about half of stage 3's int8 forward gathers (hpZ's backward ones stay in
+    the node)."""
+    for r in _runs():
+        sdp, base = r["sdp4bit"]["stats"], r["none"]["stats"]
+        started = r["sdp4bit"]["started"]["forward_allgather"]
+        assert sdp["backward_allgather"]["calls"] == 0 and started["calls"] > 0
+        per_steps = sdp["forward_allgather"]["inter_bytes"] - started["inter_bytes"]
+        assert 0 < per_steps < 0.6 * base["forward_allgather"]["inter_bytes"]
+        assert r["sdp4bit"]["losses"][0] == pytest.approx(r["none"]["losses"][0], rel=1e-2)
 
 
 def test_hpz_group_size_must_divide_node_size():

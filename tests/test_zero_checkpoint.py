@@ -3,7 +3,7 @@
 - Resume: 10 steps, state_dict() saved per rank with torch.save, a new process group, a new
   model (other seed), engine and optimizer, load_state_dict(), 10 more steps: losses and
   weights bit-identical to 20 steps straight (ZeRO++ bf16 with clipping; fp16 with dynamic
-  loss scaling, whose scale changes along the way).
+  loss scaling, whose scale changes along the way; stage 2 with qWD int4 weights).
 - A checkpoint of another config, model, rank or world size raises ValueError naming the
   mismatch, and the engine is left exactly as it was.
 - load_full_state_dict(): full_state_dict() of the 4-rank run, and a single process's
@@ -29,6 +29,9 @@ PER_RANK, HALF = 2, 10
 SCENARIOS = {
     "zeropp_bf16": dict(compute_dtype=torch.bfloat16, max_grad_norm=1.0),
     "zeropp_fp16": dict(compute_dtype=torch.float16, initial_loss_scale=2.0**20, loss_scale_window=4),
+    # Stage 2 with qWD: the resident weights carry the quantization of the last steps'
+    # differences, so the checkpoint must restore them, not re-derive them from the masters.
+    "sdp4bit_bf16": dict(stage=2, qwd=True, weight_bits=4, compute_dtype=torch.bfloat16),
 }
 
 

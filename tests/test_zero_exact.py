@@ -41,11 +41,16 @@ SCENARIOS = {
     # frozen) are units, the root holds the rest (the reused l1 / l2, the tied embedding).
     "adamw_units": ({"unit_modules": "square_linear_or_norm"}, "adamw", 1, None),
     "adamw_units_no_prefetch": ({"unit_modules": "square_linear_or_norm", "prefetch": False}, "adamw", 1, None),
+    # Stage 2: weights whole on every rank, gradients reduce-scattered, shards gathered after
+    # each step (here unquantized: exact).
+    "stage2_adamw_units": ({"stage": 2, "unit_modules": "square_linear_or_norm"}, "adamw", 1, None),
+    "stage2_sgd_accumulate_clip": ({"stage": 2}, "sgd", 2, 0.5),
 }
+STAGE2 = tuple(name for name in SCENARIOS if name.startswith("stage2"))
 # Six ranks on two cores are slow: there, the scenarios the other worlds do not already
 # cover in a 3-node layout.
 WORLD_SCENARIOS = {1: tuple(SCENARIOS), 2: tuple(SCENARIOS), 4: tuple(SCENARIOS),
-                   6: ("sgd_accumulate", "adamw_hpz", "adamw_clip")}
+                   6: ("sgd_accumulate", "adamw_hpz", "adamw_clip", "stage2_adamw_units")}
 
 
 def square_linear_or_norm(module) -> bool:
@@ -166,12 +171,31 @@ def test_every_step_sends_the_same(world):
     backward does not need."""
     for result in _engine_runs(world):
         for name in WORLD_SCENARIOS[world]:
+            if name in STAGE2:
+                continue  # test_stage2_sends_no_gathers_in_forward_or_backward
             _, _, first, total, _ = result[name]
             for kind in ("forward_allgather", "backward_allgather", "reduce_scatter"):
                 for field, value in total[kind].items():
                     assert value == STEPS * first[kind][field], (name, kind, field, first, total)
         if world != 6:
             assert result["adamw"][3] == result["adamw_no_prefetch"][3]
+
+
+@pytest.mark.parametrize("world", (2, 4, 6))
+def test_stage2_sends_no_gathers_in_forward_or_backward(world):
+    """Stage 2: no backward gather; forward's weights come from one all-gather per trainable
+    buffer per step (plus one per buffer when the engine starts); gradients are
+    reduce-scattered as in stage 3."""
+    for result in _engine_runs(world):
+        _, _, first, total, units = result["stage2_adamw_units"]
+        assert total["backward_allgather"]["calls"] == 0 and first["backward_allgather"]["calls"] == 0
+        # OddNet with these units: 5 buffers (root, mix's weight and its frozen bias, the
+        # frozen fixed, norm), 3 of them trainable (root, mix.weight, norm).
+        started = first["forward_allgather"]["calls"]
+        assert started == 5 and units == 4, (first, units)
+        assert total["forward_allgather"]["calls"] == started + STEPS * 3, total
+        if "adamw_units" in result:
+            assert total["reduce_scatter"] == result["adamw_units"][3]["reduce_scatter"]
 
 
 @pytest.mark.parametrize("world", (2, 4))

@@ -5,7 +5,9 @@
 For every configuration in the config: builds examples/gpt.py's GPT from the same seed,
 wraps it in qcoll.zero.ZeroEngine (the config's compute dtype, AdamW) on a qcoll group of node_size ranks
 per node, or shards it with PyTorch FSDP2 (a "fsdp2" entry: "default" or "qcoll"; see
-FSDP2Run), or replicates it with DDP (a "ddp" entry; see DDPRun), and trains `steps` steps on the same synthetic Markov data. Per step: the slowest
+FSDP2Run), or replicates it with DDP (a "ddp" entry; see DDPRun), or trains it in one
+process on the whole global batch in fp32 (a "reference" entry, the fidelity suite's
+yardstick; see ReferenceRun), and trains `steps` steps on the same synthetic Markov data. Per step: the slowest
 rank's time of forward + backward + step (after `warmup` steps), the bytes the engine sent
 to other nodes and within the node (engine.stats() deltas, mean per rank), and the loss.
 Per step and rank, engine.timings() splits the step's host time into waiting on
@@ -50,9 +52,9 @@ class EngineRun:
     """qcoll.zero.ZeroEngine with the configuration's ZeRO++ techniques."""
 
     def __init__(self, cfg: dict, group, model, techniques: dict):
-        config = ZeroConfig(**techniques, compute_dtype=DTYPES[cfg["dtype"]], max_grad_norm=1.0)
-        self.engine = ZeroEngine(model, lambda ps: torch.optim.AdamW(ps, lr=cfg["lr"], weight_decay=0.01),
-                                 group, config=config)
+        config = ZeroConfig(**techniques, compute_dtype=DTYPES[cfg["dtype"]],
+                            max_grad_norm=cfg.get("max_grad_norm", 1.0))
+        self.engine = ZeroEngine(model, lambda ps: _adamw(cfg, ps), group, config=config)
 
     def step(self, x, y):
         self.engine.zero_grad()
@@ -67,6 +69,35 @@ class EngineRun:
 
     def timings(self) -> dict:
         return self.engine.timings()
+
+
+def _adamw(cfg: dict, params):
+    return torch.optim.AdamW(params, lr=cfg["lr"], weight_decay=cfg.get("weight_decay", 0.01))
+
+
+class ReferenceRun:
+    """The same model in fp32 in this process alone, on the whole global batch (every rank
+    computes the same): what the engine rows are compared with. No communication."""
+
+    def __init__(self, cfg: dict, group, model, techniques: dict):
+        self.model, self.cfg = model, cfg
+        self.optimizer = _adamw(cfg, model.parameters())
+
+    def step(self, x, y):
+        x, y = self.global_batch
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = gpt.lm_loss(self.model(x), y)
+        loss.backward()
+        if self.cfg.get("max_grad_norm", 1.0) is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.get("max_grad_norm", 1.0))
+        self.optimizer.step()
+        return loss
+
+    def traffic(self) -> tuple:
+        return (0, 0)
+
+    def timings(self) -> dict:
+        return {}
 
 
 class FSDP2Run:
@@ -146,11 +177,13 @@ def train(cfg: dict, rank: int, group, language, model_cfg, name: str, technique
     world, node_size = cfg["world"], cfg["node_size"]
     iface = cfg.get("iface") if rank % node_size == 0 else None
     torch.manual_seed(cfg["seed"])
-    kind = FSDP2Run if "fsdp2" in techniques else DDPRun if "ddp" in techniques else EngineRun
+    kind = (FSDP2Run if "fsdp2" in techniques else DDPRun if "ddp" in techniques
+            else ReferenceRun if "reference" in techniques else EngineRun)
     run = kind(cfg, group, gpt.GPT(model_cfg), techniques)
     times, inter, intra, wire, losses, phases = [], [], [], [], [], []
     for step in range(cfg["steps"]):
         x, y = language.batch(step, cfg["batch"] * world, cfg["seq"], seed=cfg["seed"])
+        run.global_batch = (x, y)
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         before, t_before = run.traffic(), run.timings()
         dist.barrier()
@@ -180,14 +213,15 @@ def train(cfg: dict, rank: int, group, language, model_cfg, name: str, technique
         wire.append(float(s[3]) / (world // node_size))  # per node
     w = cfg["warmup"]
     timed = times[w:] or times
-    tail = min(5, len(losses))
+    tail, long_tail = min(5, len(losses)), min(cfg.get("loss_tail", 5), len(losses))
     row = {"config": name, **techniques, "steps": cfg["steps"], "warmup": w,
            "step_time_s": statistics.median(timed), "step_times_s": timed,
            "phase_s": {k: _median_or_none([ph[i] for ph in (phases[w:] or phases)]) for i, k in enumerate(PHASES)},
            "inter_bytes_per_rank": statistics.mean(inter[1:] or inter),
            "intra_bytes_per_rank": statistics.mean(intra[1:] or intra),
            "loss_first": losses[0], "loss_final": losses[-1],
-           "loss_final_mean5": sum(losses[-tail:]) / tail, "losses": losses}
+           "loss_final_mean5": sum(losses[-tail:]) / tail, "loss_tail": long_tail,
+           "loss_tail_mean": sum(losses[-long_tail:]) / long_tail, "losses": losses}
     if cfg.get("iface"):
         row["wire_bytes_per_node"] = statistics.mean(wire[1:] or wire)
     return row

@@ -4,6 +4,7 @@ from ._version import __version__
 from ._calls import CommunicationError, Work
 from .all_reduce import quantized_all_reduce
 from .collectives import quantized_allgather, quantized_reduce_scatter
+from .delta import delta_allgather
 from .error_feedback import ErrorFeedback
 from .group import Group, destroy, new_group
 from .info import build_info
@@ -19,6 +20,7 @@ __all__ = [
     "QuantizedTensor",
     "Work",
     "build_info",
+    "delta_allgather",
     "dequantize",
     "destroy",
     "new_group",

@@ -14,6 +14,8 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Optional
 
+import torch
+
 from . import _C
 
 

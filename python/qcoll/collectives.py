@@ -36,34 +36,37 @@ def _check_bits(bits, name: str) -> int:
 
 
 def _check_pair(output, input, expected_out: int, expected_in: int, what: str,
-                raw_bytes_ok: bool = False) -> int:
+                raw_bytes_ok: bool = False, names=("output", "input")) -> int:
     """The dtype code of a valid pair; raw_bytes_ok (unquantized all-gather): a non-float
-    dtype is moved as raw bytes (BYTES_CODE)."""
-    for name, t in (("output", output), ("input", input)):
+    dtype is moved as raw bytes (BYTES_CODE). names: what the caller calls the two."""
+    out_name, in_name = names
+    for name, t in ((out_name, output), (in_name, input)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_contiguous():
             raise ValueError(f"{what}: {name} must be contiguous")
     if output.requires_grad and output.is_leaf:  # as torch's in-place ops and collectives
-        raise RuntimeError(f"{what}: output is a leaf tensor that requires grad; a collective "
+        raise RuntimeError(f"{what}: {out_name} is a leaf tensor that requires grad; a collective "
                            "writes it in place (pass a tensor without requires_grad, or detach it)")
     if raw_bytes_ok and input.dtype not in DTYPE_CODES:
         code = BYTES_CODE
     else:
-        code = dtype_code(input.dtype, f"{what}: input")
+        code = dtype_code(input.dtype, f"{what}: {in_name}")
     if output.dtype != input.dtype:
-        raise ValueError(f"{what}: output dtype {output.dtype} does not match input dtype {input.dtype}")
+        raise ValueError(f"{what}: {out_name} dtype {output.dtype} does not match {in_name} dtype {input.dtype}")
     if output.device != input.device:
-        raise ValueError(f"{what}: output is on {output.device} but input is on {input.device}")
+        raise ValueError(f"{what}: {out_name} is on {output.device} but {in_name} is on {input.device}")
     if output.numel() != expected_out or input.numel() != expected_in:
-        raise ValueError(f"{what}: {_size_rule(what)}; got output.numel()={output.numel()}, "
-                         f"input.numel()={input.numel()}")
+        raise ValueError(f"{what}: {_size_rule(what)}; got {out_name}.numel()={output.numel()}, "
+                         f"{in_name}.numel()={input.numel()}")
     return code
 
 
 def _size_rule(what: str) -> str:
     if what == "quantized_allgather":
         return "output.numel() must equal group size * input.numel()"
+    if what == "delta_allgather":
+        return "full.numel() must equal group size * shard.numel()"
     return "input.numel() must equal group size * output.numel()"
 
 

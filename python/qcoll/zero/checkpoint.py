@@ -1,7 +1,8 @@
 """ZeroEngine checkpoints.
 
 state_dict() / load_state_dict(): this rank's fp32 master shards, optimizer state, loss
-scaler and step count, for resuming the same run bit-identically (same model, world size,
+scaler and step count (stage 2: and this rank's partition of the resident weights, which
+under qWD carry the last steps' quantization and are not the masters' copy), for resuming the same run bit-identically (same model, world size,
 node size and config). load_full_state_dict(): a plain model state dict onto any world size.
 Every check runs before anything is changed, so a rejected checkpoint leaves the engine as
 it was; the errors name what differs.
@@ -39,6 +40,8 @@ def engine_state_dict(engine) -> dict:
         "optimizer": engine.optimizer.state_dict(),
         "scaler": engine.scaler.state_dict(),
         "steps": engine.steps,
+        "replica": ([f.shard_of(f.full).detach().clone() for f in engine.flat_params]
+                    if engine.resident else None),
     }
 
 
@@ -68,6 +71,11 @@ def _check_engine_state(engine, state) -> None:
         if master.shape != flat.master.shape:
             raise ValueError(f"load_state_dict: master shard {i} has shape {tuple(master.shape)}, "
                              f"expected {tuple(flat.master.shape)}")
+    if engine.resident:
+        for i, (flat, part) in enumerate(zip(engine.flat_params, state.get("replica") or [])):
+            if part.shape != flat.compute_shard.shape or part.dtype != flat.compute_shard.dtype:
+                raise ValueError(f"load_state_dict: weight partition {i} is {part.dtype}{list(part.shape)}, "
+                                 f"expected {flat.compute_shard.dtype}{list(flat.compute_shard.shape)}")
     opt_theirs, opt_mine = state["optimizer"]["param_groups"], engine.optimizer.state_dict()["param_groups"]
     if [len(pg["params"]) for pg in opt_theirs] != [len(pg["params"]) for pg in opt_mine]:
         raise ValueError("load_state_dict: the checkpoint's optimizer has other parameter groups")

@@ -1,6 +1,8 @@
 """The engine's three collectives, all through qcoll: forward all-gather (qwZ or baseline),
 backward all-gather (hpZ's in-node gather from the secondary shard, or the forward one
-again) and the gradient reduce-scatter (qgZ or baseline).
+again) and the gradient reduce-scatter (qgZ or baseline). Stage 2 has no gathers in forward
+or backward: its weight all-gather after each step (qWD's delta_allgather, qwZ's quantized
+all-gather or the baseline) is what feeds forward, and is counted as "forward_allgather".
 
 Bytes are charged per call from the call's own Work.traffic (the C++ core counts them by
 qcoll.stats' rule), so the counts stay right when calls run asynchronously and interleave.
@@ -16,6 +18,7 @@ from typing import List, Optional
 import torch
 
 from .. import collectives as qc
+from ..delta import delta_allgather
 from ..group import Group
 from .config import ZeroConfig
 from .flat_param import FlatParam
@@ -87,6 +90,21 @@ class EngineCollectives:
         return self._issued("backward_allgather", self.timed("gather", lambda: qc.quantized_allgather(
             flat.full, flat.secondary, self.hpz_group, bits=None, async_op=True)))
 
+    def publish_weights(self, flat: FlatParam, source: Optional[torch.Tensor] = None):
+        """Stage 2, after the optimizer step: the updated shard into every rank's full buffer.
+        source: gather this partition exactly instead (the transport's all-gather in the
+        compute dtype; at start and after a load). Returns the call's Work."""
+        cfg, gs = self.config, self.config.group_size
+        if source is not None:
+            issue = lambda: qc.quantized_allgather(flat.full, source, self.group, bits=None, async_op=True)
+        elif cfg.qwd:
+            issue = lambda: delta_allgather(flat.full, flat.compute_shard, self.group, bits=self._forward_bits(),
+                                            group_size=gs, async_op=True)
+        else:
+            issue = lambda: qc.quantized_allgather(flat.full, flat.compute_shard, self.group,
+                                                   bits=self._forward_bits(), group_size=gs, async_op=True)
+        return self._issued("forward_allgather", self.timed("gather", issue))
+
     # ---- gradients -----------------------------------------------------------------------
     def reduce_grads(self, flat: FlatParam) -> None:
         """Start the reduce-scatter of this rank's gradient; finish_reduces() adds the result
@@ -97,6 +115,8 @@ class EngineCollectives:
         if cfg.qgz:
             kwargs = dict(intra_bits=cfg.grad_intra_bits, inter_bits=cfg.grad_inter_bits,
                           group_size=cfg.group_size, pipeline_stages=cfg.grad_pipeline_stages)
+            if cfg.grad_hadamard:
+                kwargs["hadamard"] = True
         else:
             kwargs = dict(intra_bits=None, inter_bits=None, hierarchical=False)
         work = self._issued("reduce_scatter", self.timed("reduce_scatter", lambda: qc.quantized_reduce_scatter(

@@ -19,13 +19,25 @@ class ZeroConfig:
     """Every technique can be switched on and off independently; one that is off does what
     plain ZeRO-3 does (the transport's own collective in the compute dtype).
 
+    stage: 3 (ZeRO-3: weights sharded, gathered per unit in forward and backward) or 2
+        (the sharded-optimizer stage of SDP4Bit: compute-dtype weights whole on every rank,
+        gradients reduce-scattered into the fp32 shards, and after each step the updated
+        shards all-gathered into every rank's weights). A switch that does not apply to the
+        stage is an error (hpz, hpz_group_size with stage 2; qwd with stage 3).
+
     qwz: forward all-gather of weights block-quantized at ``weight_bits``. Every bits field
         takes 8 / "int8", 4 / "int4" or "fp8_e4m3" (the qwz / qgz switches turn them off).
+    qwd: stage 2 only: all-gather the new weights as the quantized difference from the
+        last step's (SDP4Bit's qWD, qcoll.delta_allgather at ``weight_bits``) instead of
+        the weights themselves; needs qwz=True.
     hpz: after forward, keep a secondary shard of the gathered weights partitioned over
         ``hpz_group_size`` ranks of the node (default: the node size); the backward
-        all-gather runs inside that group (no cross-node bytes).
+        all-gather runs inside that group (no cross-node bytes). None (the default): on for
+        stage 3, off for stage 2.
     qgz: gradient reduce-scatter quantized (``grad_intra_bits`` inside the node,
         ``grad_inter_bits`` across), 2-hop and pipelined over ``grad_pipeline_stages``.
+    grad_hadamard: quantize the gradients after a Walsh-Hadamard transform of each group
+        (SDP4Bit's TLq-HS, ``hadamard=True`` on the reduce-scatter); needs qgz=True.
     compute_dtype: dtype of the gathered weights, activations and gradients; fp32 master
         weights, optimizer state and gradient shards always.
     loss_scale: fp16 only. None: dynamic (start ``initial_loss_scale``, halve on overflow,
@@ -41,7 +53,7 @@ class ZeroConfig:
     """
 
     qwz: bool = True
-    hpz: bool = True
+    hpz: Optional[bool] = None
     qgz: bool = True
     compute_dtype: torch.dtype = torch.bfloat16
     weight_bits: Union[int, str] = 8
@@ -56,9 +68,16 @@ class ZeroConfig:
     initial_loss_scale: float = 2.0**16
     loss_scale_window: int = 1000
     unit_modules: Union[None, Tuple[type, ...], Callable[[nn.Module], bool]] = None
+    stage: int = 3
+    qwd: bool = False
+    grad_hadamard: bool = False
 
     def __post_init__(self):
-        for name in ("qwz", "hpz", "qgz", "prefetch"):
+        if isinstance(self.stage, bool) or self.stage not in (2, 3):
+            raise ValueError(f"stage must be 2 or 3, got {self.stage!r}")
+        if self.hpz is None:  # hpZ keeps part of forward's gathered weights: stage 3 only
+            object.__setattr__(self, "hpz", self.stage == 3)
+        for name in ("qwz", "hpz", "qgz", "prefetch", "qwd", "grad_hadamard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compute_dtype not in _COMPUTE_DTYPES:
@@ -83,6 +102,7 @@ class ZeroConfig:
             raise ValueError(f"loss_scale_window must be a positive int, got {self.loss_scale_window!r}")
         if self.group_size is not None:
             check_group_size(self.group_size, "group_size")
+        self._check_stage_switches()
         rule = self.unit_modules
         if isinstance(rule, tuple):
             if not rule or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in rule):
@@ -91,3 +111,20 @@ class ZeroConfig:
         elif rule is not None and (not callable(rule) or isinstance(rule, type)):
             raise ValueError(f"unit_modules must be None, a non-empty tuple of nn.Module classes or a "
                              f"callable(module) -> bool, got {rule!r}")
+
+    def _check_stage_switches(self) -> None:
+        if self.stage == 2:
+            if self.hpz:
+                raise ValueError("hpz=True does not apply to stage=2: the weights stay whole on every "
+                                 "rank, there is no backward all-gather (pass hpz=False or leave it None)")
+            if self.hpz_group_size is not None:
+                raise ValueError("hpz_group_size does not apply to stage=2 (no hpZ); leave it None")
+        elif self.qwd:
+            raise ValueError("qwd=True needs stage=2: ZeRO-3 frees the gathered weights between steps, "
+                             "so there is no last step's value to take the difference from")
+        if self.qwd and not self.qwz:
+            raise ValueError("qwd=True needs qwz=True: the weight difference is what gets quantized "
+                             "(at weight_bits); with qwz=False the weights travel unquantized")
+        if self.grad_hadamard and not self.qgz:
+            raise ValueError("grad_hadamard=True needs qgz=True: the transform smooths what the "
+                             "quantized gradient reduce-scatter quantizes")

@@ -1,10 +1,15 @@
-"""ZeroEngine: ZeRO-3 for any nn.Module on qcoll's collectives (qwZ, hpZ, qgZ).
+"""ZeroEngine: ZeRO-3 for any nn.Module on qcoll's collectives (qwZ, hpZ, qgZ), and stage 2
+(SDP4Bit's setting: qWD, TLq-HS).
 
 Units are subtrees (units.py): a unit is gathered right before its module's forward (and
 again before its backward), freed after its last use, and its gradient is reduce-scattered
 into the fp32 gradient shards as soon as autograd has accumulated all of it. Each unit's
 lifecycle lives in unit.py; this file drives it from module hooks. The optimizer only ever
 sees the fp32 master shards. Checkpoints: checkpoint.py.
+
+Stage 2 is the same engine with resident full buffers: a unit's "gather" moves it through
+the same states without communicating, and step() all-gathers the updated shards into
+every rank's full buffers (EngineCollectives.publish_weights).
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class ZeroEngine:
         self.group = resolve_group(group)
         self.comm = EngineCollectives(config, self.group, _hpz_group(self.group, config.hpz_group_size)
                                       if config.hpz else self.group)
+        self.resident = config.stage == 2  # full weights stay on every rank
         self.units: List[Unit] = []
         self.flat_params: List[FlatParam] = []
         self._aliases: Dict[str, tuple] = {}  # parameter name -> (flat param, its name there)
@@ -79,6 +85,8 @@ class ZeroEngine:
         self._backward_next: Dict[int, int] = {}  # unit -> the unit whose backward comes next
         self._call = 0  # this forward's position in _forward_calls
         self._register_hooks()
+        if self.resident:
+            self._publish_weights(self.flat_params, [f.compute_shard for f in self.flat_params])
 
     # ---- setup -------------------------------------------------------------------------
     def _build_units(self) -> None:
@@ -94,7 +102,8 @@ class ZeroEngine:
                 chosen = [(n, p) for n, p in owned[i] if p.requires_grad == trainable]
                 if chosen:
                     flat = FlatParam(len(self.flat_params), [p for _, p in chosen], [n for n, _ in chosen],
-                                     self.group.size, self.group.rank, self.config.compute_dtype)
+                                     self.group.size, self.group.rank, self.config.compute_dtype,
+                                     resident=self.resident)
                     self.flat_params.append(flat)
                     flats.append(flat)
                     canonical.update({n: flat for n, _ in chosen})
@@ -116,7 +125,19 @@ class ZeroEngine:
     def _gather(self, unit: Unit, phase: str) -> None:
         if unit.gathered:
             return
+        if self.resident:  # stage 2: the weights are already there
+            unit.gather(phase, lambda flat: None)
+            return
         unit.gather(phase, self.comm.gather_forward if phase == FORWARD else self.comm.gather_backward)
+
+    def _publish_weights(self, flats: List[FlatParam], sources: Optional[list] = None) -> None:
+        """Stage 2: every rank's full buffers from the shards; sources: each flat's partition
+        to gather exactly instead (at start and after a load, when the full buffers may not
+        agree across ranks yet)."""
+        sources = sources or [None] * len(flats)
+        works = [self.comm.publish_weights(flat, source) for flat, source in zip(flats, sources)]
+        for work in works:
+            self.comm.timed("gather", work.wait)
 
     def _wait(self, unit: Unit) -> Optional[str]:
         return unit.wait(lambda fn: self.comm.timed("gather", fn))
@@ -263,6 +284,8 @@ class ZeroEngine:
         self.optimizer.step()
         for flat in self.flat_params:
             flat.refresh_compute_shard()
+        if self.resident:
+            self._publish_weights([f for f in self.flat_params if f.requires_grad])
         self.steps += 1
         return True
 
@@ -300,11 +323,15 @@ class ZeroEngine:
         """Resume from this rank's state_dict() of an engine with the same model, world size,
         node size and config; any mismatch raises ValueError before anything changes."""
         checkpoint.load_engine_state_dict(self, state)
+        if self.resident:  # the weights as they were (with qWD they are not the masters' copy)
+            self._publish_weights(self.flat_params, state["replica"])
 
     def load_full_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
         """Load a plain model state dict (full_state_dict(), or a single-process model's
         state_dict()) at any world size; the optimizer state is left as it is."""
         checkpoint.load_full_state_dict(self, state)
+        if self.resident:
+            self._publish_weights(self.flat_params, [f.compute_shard for f in self.flat_params])
 
     # ---- inspection ------------------------------------------------------------------
     @torch.no_grad()

@@ -6,6 +6,8 @@ Each rank keeps the fp32 master shard (what the optimizer updates), its compute-
 exists only while the unit is gathered: its storage is resized to 0 when freed and back when
 gathered, so the parameter views (and tensors autograd saved) stay valid across gathers.
 Which state the buffer is in is the unit's business (unit.py); this class only holds memory.
+Stage 2 (`resident`): the full buffer is never freed; the engine keeps it current on every
+rank after each step.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn as nn
 
 class FlatParam:
     def __init__(self, index: int, params: List[nn.Parameter], names: List[str], world: int, rank: int,
-                 compute_dtype: torch.dtype):
+                 compute_dtype: torch.dtype, resident: bool = False):
         for name, p in zip(names, params):
             if not p.is_floating_point():
                 raise TypeError(f"parameter {name} has dtype {p.dtype}; ZeRO-3 shards floating-point "
@@ -38,6 +40,7 @@ class FlatParam:
         self.rank = rank
         self.compute_dtype = compute_dtype
         self.requires_grad = params[0].requires_grad
+        self.resident = resident
         device = params[0].device
 
         flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=device)
@@ -65,6 +68,8 @@ class FlatParam:
             storage.resize_(nbytes)
 
     def free(self) -> None:
+        if self.resident:
+            return
         self.full.untyped_storage().resize_(0)
 
     # ---- gradients ---------------------------------------------------------------------

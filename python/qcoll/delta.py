@@ -1,0 +1,87 @@
+"""qcoll.delta_allgather: SDP4Bit's qWD, the all-gather of quantized weight differences.
+
+A composition over the one all-gather of the core (src/collectives/all_gather.cpp), run as
+one call of the group: the difference is taken, quantized, gathered, dequantized and added
+in that call, on the group's worker thread (CPU) or in stream order (CUDA), so it has the
+all-gather's validation, byte accounting, transports and async semantics.
+
+Determinism: every rank decodes the same bytes into the same fp32 differences (the core
+decodes its own chunk too), and `full += difference` is one IEEE fp32 add per element,
+rounded once to full's dtype, on inputs that are identical on every rank: so `full` stays
+bit-identical everywhere, the sender's own partition included.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ._dtypes import DTYPE_CODES
+from ._formats import RAW_CODE
+from .collectives import (_allgather_core, _check_bits, _check_pair, _debug_check, _group_size, _run,
+                          quantized_allgather)
+from .group import resolve_group
+from .quantization import check_group_size
+
+_F32 = torch.float32
+_ALIGN = 64  # bytes: each workspace region starts on a cache line (and a float boundary)
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def delta_allgather(full: torch.Tensor, shard: torch.Tensor, group=None, *, bits: Optional[int] = 4,
+                    group_size: Optional[int] = None, async_op: bool = False):
+    """Weight-difference all-gather (SDP4Bit's qWD).
+
+    On entry `full` (group size * shard.numel() elements) holds last step's gathered tensor,
+    identical on every rank, and `shard` this rank's new partition (same dtype: fp32, fp16
+    or bf16).
+    Each rank sends its difference `shard - full[its partition]`, computed in fp32 and
+    block-quantized at `bits`; on exit every rank's `full` is the old value plus the
+    dequantized difference of every partition (its own included), added in fp32 and rounded
+    once to full's dtype: bit-identical on all ranks. The error of one call is carried into
+    the next difference when `shard` is the exact (master) value.
+
+    bits=None sends the new values themselves (the transport's all-gather in full's dtype):
+    `full` becomes exactly the gathered shards. Bytes count under qcoll.stats()'s
+    "allgather" (the core's all-gather carries them)."""
+    size = _group_size(group)
+    n = shard.numel() if isinstance(shard, torch.Tensor) else 0
+    wire_bits = _check_bits(bits, "bits")
+    _check_pair(full, shard, size * n, n, "delta_allgather", names=("full", "shard"))
+    if n and _overlaps(full, shard):
+        raise ValueError("delta_allgather: shard must not share memory with full (full holds the "
+                         "previous value the difference is taken from)")
+    group_size = check_group_size(group_size)
+    if wire_bits == RAW_CODE:
+        return quantized_allgather(full, shard, group, bits=None, async_op=async_op)
+    g = resolve_group(group)
+    _debug_check(g, ("delta_allgather", n, full.numel(), str(full.dtype), str(shard.dtype), wire_bits,
+                     group_size), full.device)
+    plan, all_gather = _allgather_core(g, n, DTYPE_CODES[_F32], bits, group_size, full.device)
+    # Workspace: [the all-gather's own | this rank's fp32 difference | every rank's, decoded].
+    diff_at = _round_up(plan.workspace_bytes, _ALIGN)
+    gathered_at = diff_at + _round_up(4 * n, _ALIGN)
+    workspace_bytes = gathered_at + 4 * size * n
+    mine = full[g.rank * n:(g.rank + 1) * n]
+
+    def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
+        diff = workspace[diff_at:diff_at + 4 * n].view(_F32)
+        gathered = workspace[gathered_at:gathered_at + 4 * size * n].view(_F32)
+        scratch = workspace[:plan.workspace_bytes]
+        diff.copy_(shard)
+        diff.sub_(mine)  # fp32: both operands are exact in fp32
+        # The core's all-gather addresses these as its input/output/workspace (buffer ids).
+        g._buffers.set(diff, gathered, scratch)
+        all_gather(comm, kind, index, stream, scratch, traffic, sequence, diff, gathered)
+        full.add_(gathered.view(full.shape))  # in fp32 (type promotion), rounded once to full's dtype
+
+    return _run("delta_allgather", g, shard, full, workspace_bytes, launch, async_op)
