@@ -122,8 +122,9 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const QuantParams q,
     write_params(q, g, math::group_params(gathered_stats(q, g), q.format, q.symmetric));
 }
 
-// At least 3 blocks per SM: enough loads in flight, and the register cache (32 floats per
-// lane) still fits without spills.
+// At least 3 blocks per SM (768 threads, 80 registers): each lane issues the loads of its
+// up to 4 packets before using any (load_packets), 48-96 KB per SM in flight, and the
+// register cache (32 floats per lane) still fits without spills.
 template <typename E, CodeFormat F, Pass P>
 __global__ void __launch_bounds__(kThreads, 3) quantize_kernel(const QuantParams q) {
   constexpr int Bits = code_bits(F);

@@ -57,13 +57,14 @@ __device__ __forceinline__ void pad_tail(Packet& p, int count) {
 // e = first + j * step < end of chunk (or output) `item`; `end` is the end of the current
 // group or piece, so e + 8 > end only for the chunk's last packet.
 
-// kMinBlocks: the team kernel's blocks per SM (launch bounds). 3 (768 threads) leaves 80
-// registers per thread, enough for a slice's 4 packets; its loads are all issued before
-// any is used (load_packets), up to 128 bytes per thread in flight. A sum over sources
-// holds kSourcesInFlight sources' raw loads beside its fp32 sums, so it takes 2 (512
-// threads, 128 registers): with 4 packets per lane, 4 quantized sources keep 64 bytes
-// (int4) or 128 bytes (8-bit codes) per thread in flight, 2 raw sources 128 or 256 bytes,
-// i.e. 32-128 KB per SM where ~16 KB saturate HBM, without spilling the sums.
+// kMinBlocks: the team kernel's blocks per SM (launch bounds), chosen for the bytes in
+// flight (~16 KB per SM saturate HBM) without spills (ptxas -v, sm_90, nvcc 13.0):
+// - a slice: 3 (768 threads, 80 registers); a lane issues its up to 4 packets' loads before
+//   using any (load_packets): 64 (16-bit) or 128 (fp32) bytes per thread, 48-96 KB per SM.
+// - a sum over sources: 2 (512 threads, 128 registers; 98-124 used) for the fp32 sums
+//   beside kSourcesInFlight raw packets: 8 quantized sources keep 32 (int4) or 64 (8-bit)
+//   bytes of codes per thread in flight, 16-32 KB per SM; 4 raw sources 64 or 128 bytes,
+//   32-64 KB per SM.
 
 template <typename E>
 struct SliceSource {  // encode: elements [slice_begin, +len) of partition p(item)
