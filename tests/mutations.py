@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # (name, file, original text, mutated text, what the mutation models)
 MUTATIONS = [
     ("tail-read-off-by-one", "src/cuda/quant_team.cuh",
-     "p.x[j] = E::to_float(src[j < count ? j : 0]);",
-     "p.x[j] = E::to_float(src[j <= count ? j : 0]);",
+     "r.w[k] |= static_cast<uint32_t>(src[j < count ? j : 0]) << (16 * h);",
+     "r.w[k] |= static_cast<uint32_t>(src[j <= count ? j : 0]) << (16 * h);",
      "a run's last packet reads one element past its end"),
     ("removed-syncthreads", "src/cuda/quant_team.cuh",
      "  if (threadIdx.x % 32 == 0) partial[warp] = s;\n  __syncthreads();\n",

@@ -80,6 +80,66 @@ QCOLL_INLINE void code_nearest(const float* x, int64_t m, const math::GroupParam
   if (m & 1) out[pairs] = code(x[m - 1]);  // odd tail: high nibble 0
 }
 
+// The counter-based hash does not vectorize; stochastic codes go one value at a time.
+inline void code_stochastic(const float* x, int64_t m, const math::GroupParams& p,
+                            CodeFormat format, bool symmetric, uint64_t key, uint64_t index0,
+                            uint8_t* out) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float u = math::uniform01(key, index0 + static_cast<uint64_t>(i));
+    const uint8_t c = math::encode_value(x[i], p, format, symmetric, true, u);
+    if (code_bits(format) == 8) out[i] = c;
+    else out[i / 2] = (i & 1) ? static_cast<uint8_t>(out[i / 2] | (c << 4)) : c;
+  }
+}
+
+// Codes of m values of a group (index0: the stochastic-rounding index of x[0]); reads no
+// values when the group's codes are all zero.
+QCOLL_INLINE void code_piece(const float* x, int64_t m, const math::GroupParams& p,
+                                   CodeFormat format, bool symmetric, bool stochastic,
+                                   uint64_t key, uint64_t index0, uint8_t* out) {
+  if (math::codes_are_zero(p)) {
+    std::memset(out, 0, static_cast<size_t>(code_bytes(m, format)));
+  } else if (stochastic) {
+    code_stochastic(x, m, p, format, symmetric, key, index0, out);
+  } else {
+    with_format(format, [&](auto f) {
+      constexpr CodeFormat kF = decltype(f)::value;
+      if (symmetric) code_nearest<true, kF>(x, m, p, out);
+      else if constexpr (!format_is_float(kF)) code_nearest<false, kF>(x, m, p, out);
+    });
+  }
+}
+
+// The group encoder of the CPU quantize and wire kernels (bit-identity in one place): a
+// group of m elements whose fp32 values values(c, k) gives piecewise (elements [c, c + k),
+// c a multiple of `piece`, k <= piece). Pass 1 gathers the statistics over the pieces;
+// pass 2 calls code(x, c, k, params) for the codes. A group of one piece keeps its values
+// from pass 1, and so does a group whose codes are all zero (coded whole, values unread);
+// larger groups recompute each piece. Returns the group's parameters. The callers' lambdas
+// are always_inline, so the ISA clones of their range drivers vectorize them too.
+template <typename Values, typename Code>
+QCOLL_INLINE math::GroupParams encode_group(int64_t m, int64_t piece, CodeFormat format,
+                                            bool symmetric, const Values& values,
+                                            const Code& code) {
+  math::GroupStats stats = math::stats_identity();
+  const float* x = nullptr;
+  for (int64_t c = 0; c < m; c += piece) {
+    const int64_t k = std::min(piece, m - c);
+    x = values(c, k);
+    accumulate_stats(x, k, symmetric, stats);
+  }
+  const math::GroupParams p = math::group_params(stats, format, symmetric);
+  if (m <= piece || math::codes_are_zero(p)) {
+    code(x, int64_t{0}, m, p);
+    return p;
+  }
+  for (int64_t c = 0; c < m; c += piece) {
+    const int64_t k = std::min(piece, m - c);
+    code(values(c, k), c, k, p);
+  }
+  return p;
+}
+
 // Values of m codes into fp32 (the output buffer itself when the output is fp32).
 // The value of every fp8_e4m3 byte (math::fp8_e4m3_decode, computed once), so the CPU
 // decode loops are a load and a multiply: the bit assembly does not vectorize.

@@ -1,7 +1,7 @@
 // CPU block quantize / dequantize. Each group is processed in chunks of kChunk elements
-// (converted to fp32 in a stack buffer unless already fp32): pass 1 gathers the group's
-// statistics, pass 2 codes it. Groups are independent, so OpenMP gives each thread one
-// contiguous range of groups.
+// (converted to fp32 in a stack buffer unless already fp32) by the group encoder of
+// quant_loops.h: pass 1 gathers the group's statistics, pass 2 codes it. Groups are
+// independent, so OpenMP gives each thread one contiguous range of groups.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -17,32 +17,6 @@ namespace {
 
 constexpr int64_t kChunk = 1024;  // multiple of 8, so int4 chunks start on whole bytes
 static_assert(kChunk % kMaxHadamardSize == 0, "chunks hold whole Hadamard blocks");
-// The counter-based hash does not vectorize; stochastic codes go one value at a time.
-void code_stochastic(const float* x, int64_t m, const math::GroupParams& p, const QuantSpec& spec,
-                     uint64_t key, uint64_t index0, uint8_t* out) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float u = math::uniform01(key, index0 + static_cast<uint64_t>(i));
-    const uint8_t c = math::encode_value(x[i], p, spec.format, spec.symmetric, true, u);
-    if (code_bits(spec.format) == 8) out[i] = c;
-    else out[i / 2] = (i & 1) ? static_cast<uint8_t>(out[i / 2] | (c << 4)) : c;
-  }
-}
-
-QCOLL_INLINE void code_chunk(const float* x, int64_t m, const math::GroupParams& p, const QuantSpec& spec,
-                uint64_t key, uint64_t index0, uint8_t* out) {
-  if (math::codes_are_zero(p)) {
-    std::memset(out, 0, static_cast<size_t>(code_bytes(m, spec.format)));
-  } else if (spec.rounding == Rounding::kStochastic) {
-    code_stochastic(x, m, p, spec, key, index0, out);
-  } else {
-    with_format(spec.format, [&](auto f) {
-      constexpr CodeFormat kF = decltype(f)::value;
-      if (spec.symmetric) code_nearest<true, kF>(x, m, p, out);
-      else if constexpr (!format_is_float(kF)) code_nearest<false, kF>(x, m, p, out);
-    });
-  }
-}
-
 QCOLL_INLINE void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key) {
   alignas(64) float buf[kChunk];
   const QuantSpec& spec = a.spec;
@@ -54,28 +28,21 @@ QCOLL_INLINE void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key)
   // The values of elements [c, c + m) of the group: Hadamard-transformed in buf when asked
   // (chunks start on block boundaries: kChunk is a multiple of kMaxHadamardSize).
   const int hadamard = spec.hadamard_size;
-  const auto values = [&](int64_t c, int64_t m) {
+  const auto values = [&](int64_t c, int64_t m) __attribute__((always_inline)) {
     const float* x = as_float(src + c * esize, a.dtype, m, buf);
     return hadamard ? hadamard_into(x, m, hadamard, buf) : x;
   };
-  math::GroupStats stats = math::stats_identity();
-  const float* x = nullptr;
-  for (int64_t c = 0; c < len; c += kChunk) {
-    const int64_t m = std::min(kChunk, len - c);
-    x = values(c, m);
-    accumulate_stats(x, m, spec.symmetric, stats);
-  }
-  const math::GroupParams p = math::group_params(stats, spec.format, spec.symmetric);
+  const bool stochastic = spec.rounding == Rounding::kStochastic;
+  const math::GroupParams p = encode_group(
+      len, kChunk, spec.format, spec.symmetric, values,
+      [&](const float* x, int64_t c, int64_t m,
+          const math::GroupParams& q) __attribute__((always_inline)) {
+        code_piece(x, m, q, spec.format, spec.symmetric, stochastic, key,
+                   a.index_base + static_cast<uint64_t>(begin + c),
+                   a.codes + code_bytes(begin + c, spec.format));
+      });
   a.scales[g] = p.scale;
   if (!spec.symmetric) a.offsets[g] = p.offset;
-
-  for (int64_t c = 0; c < len; c += kChunk) {
-    const int64_t m = std::min(kChunk, len - c);
-    // A group of one chunk is still in x: transformed values are not computed twice.
-    code_chunk(hadamard && len <= kChunk ? x : values(c, m), m, p, spec, key,
-               a.index_base + static_cast<uint64_t>(begin + c),
-               a.codes + code_bytes(begin + c, spec.format));
-  }
 }
 
 QCOLL_INLINE void dequantize_group(const DequantizeArgs& a, int64_t g) {

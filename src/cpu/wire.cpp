@@ -54,14 +54,6 @@ QCOLL_INLINE void zero_padding(uint8_t* chunk, const WireFormat& fmt, int64_t le
 }
 
 // ---- codes ----------------------------------------------------------------------------------
-QCOLL_INLINE void code_symmetric(const float* x, int64_t m, const math::GroupParams& p,
-                                 CodeFormat format, uint8_t* out) {
-  if (math::codes_are_zero(p))
-    std::memset(out, 0, static_cast<size_t>(code_bytes(m, format)));
-  else
-    with_format(format, [&](auto f) { code_nearest<true, decltype(f)::value>(x, m, p, out); });
-}
-
 // acc[i] += the value of code i (symmetric), in fp32 with an unfused multiply and add.
 template <CodeFormat kF>
 QCOLL_INLINE void decode_add(const uint8_t* in, int64_t m, float scale, float* acc) {
@@ -80,30 +72,22 @@ QCOLL_INLINE void decode_add(const uint8_t* in, int64_t m, float scale, float* a
 
 // Quantizes group g of a chunk of `len` elements whose fp32 values `fill` produces
 // piecewise: fill(e, k, buf) returns k values starting at element e of the chunk (buf, or
-// the source itself). Writes the group's scale and codes.
+// the source itself). Writes the group's scale and codes (the encoder of quant_loops.h).
 template <typename Fill>
-QCOLL_INLINE void encode_group(uint8_t* chunk, const WireFormat& fmt, int64_t len, int64_t g,
-                               float* buf, const Fill& fill) {
+QCOLL_INLINE void encode_chunk_group(uint8_t* chunk, const WireFormat& fmt, int64_t len,
+                                     int64_t g, float* buf, const Fill& fill) {
   const int64_t begin = g * fmt.group_size;
   const int64_t m = std::min(fmt.group_size, len - begin);
-  math::GroupStats stats = math::stats_identity();
-  const float* x = nullptr;
-  for (int64_t c = 0; c < m; c += kBlock) {
-    const int64_t k = std::min(kBlock, m - c);
-    x = fill(begin + c, k, buf);
-    accumulate_stats(x, k, /*symmetric=*/true, stats);
-  }
-  const math::GroupParams p = math::group_params(stats, fmt.format, /*symmetric=*/true);
-  store_scale(chunk, fmt, len, g, p.scale);
   uint8_t* codes = chunk + code_bytes(begin, fmt.format);
-  if (m <= kBlock || math::codes_are_zero(p)) {  // x holds the whole group, or is unused
-    code_symmetric(x, m, p, fmt.format, codes);
-    return;
-  }
-  for (int64_t c = 0; c < m; c += kBlock) {
-    const int64_t k = std::min(kBlock, m - c);
-    code_symmetric(fill(begin + c, k, buf), k, p, fmt.format, codes + code_bytes(c, fmt.format));
-  }
+  const math::GroupParams p = encode_group(
+      m, kBlock, fmt.format, /*symmetric=*/true,
+      [&](int64_t c, int64_t k) __attribute__((always_inline)) { return fill(begin + c, k, buf); },
+      [&](const float* x, int64_t c, int64_t k,
+          const math::GroupParams& q) __attribute__((always_inline)) {
+        code_piece(x, k, q, fmt.format, /*symmetric=*/true, /*stochastic=*/false, 0, 0,
+                   codes + code_bytes(c, fmt.format));
+      });
+  store_scale(chunk, fmt, len, g, p.scale);
 }
 
 // Block b (kBlock elements) of a raw chunk, from fill as above.
@@ -161,7 +145,8 @@ QCOLL_INLINE void encode_unit(const EncodeArgs& a, const Plan& pl, int64_t u, fl
   uint8_t* chunk = a.output + k * a.chunk_stride;
   const SliceFill fill{src, a.dtype};
   if (a.fmt.quantized()) {
-    encode_group(chunk, a.fmt, a.len, g, buf, HadamardFill<SliceFill>{fill, a.fmt.hadamard_size});
+    encode_chunk_group(chunk, a.fmt, a.len, g, buf,
+                       HadamardFill<SliceFill>{fill, a.fmt.hadamard_size});
   } else if (a.dtype == a.fmt.raw_dtype) {  // a copy
     const int64_t begin = g * kBlock;
     const int64_t m = std::min(kBlock, a.len - begin);
@@ -241,7 +226,7 @@ QCOLL_INLINE void reduce_unit(const ReduceArgs& a, const Plan& pl, int64_t u, fl
   }
   uint8_t* chunk = a.out_wire + o * a.out_chunk_stride;
   if (a.out_fmt.quantized())
-    encode_group(chunk, a.out_fmt, a.len, g, buf, fill);
+    encode_chunk_group(chunk, a.out_fmt, a.len, g, buf, fill);
   else
     encode_block_raw(chunk, a.out_fmt, a.len, g, buf, fill);
   if (g == pl.per_item - 1) zero_padding(chunk, a.out_fmt, a.len);

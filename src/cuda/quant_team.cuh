@@ -72,29 +72,72 @@ struct Packet {
   float x[kPacket];
 };
 
+// A packet's storage bits as loaded: 32-bit words, element k * kPerWord + h in bits
+// 16 * h of word k. Loads land here first and are converted to fp32 only once all of a
+// thread's loads are issued, so the memory system holds several packets per thread.
+template <typename E>
+struct RawPacket {
+  static constexpr int kWords = kPacket / kPerWord<E>;
+  uint32_t w[kWords];
+};
+
 // `vec`: the base pointer is 16-byte aligned, hence so is every whole packet.
 template <typename E>
-__device__ __forceinline__ Packet load_packet(const typename E::Bits* src, int count, bool vec) {
-  Packet p;
+__device__ __forceinline__ RawPacket<E> load_raw(const typename E::Bits* src, int count,
+                                                 bool vec) {
+  RawPacket<E> r;
   if (vec && count == kPacket) {
     const uint4* v = reinterpret_cast<const uint4*>(src);
 #pragma unroll
     for (int i = 0; i < kVectors<E>; ++i) {
       const uint4 u = v[i];
-      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-#pragma unroll
-        for (int h = 0; h < kPerWord<E>; ++h)
-          p.x[(4 * i + k) * kPerWord<E> + h] = E::to_float(w[k] >> (16 * h));
+      r.w[4 * i] = u.x;
+      r.w[4 * i + 1] = u.y;
+      r.w[4 * i + 2] = u.z;
+      r.w[4 * i + 3] = u.w;
     }
-    return p;
+    return r;
   }
   // Unaligned or tail: element loads. Missing elements repeat element 0, which leaves the
   // max/min statistics unchanged; their codes are never stored.
 #pragma unroll
-  for (int j = 0; j < kPacket; ++j) p.x[j] = E::to_float(src[j < count ? j : 0]);
+  for (int k = 0; k < RawPacket<E>::kWords; ++k) {
+    r.w[k] = 0;
+#pragma unroll
+    for (int h = 0; h < kPerWord<E>; ++h) {
+      const int j = k * kPerWord<E> + h;
+      r.w[k] |= static_cast<uint32_t>(src[j < count ? j : 0]) << (16 * h);
+    }
+  }
+  return r;
+}
+
+template <typename E>
+__device__ __forceinline__ Packet to_packet(const RawPacket<E>& r) {
+  Packet p;
+#pragma unroll
+  for (int k = 0; k < RawPacket<E>::kWords; ++k)
+#pragma unroll
+    for (int h = 0; h < kPerWord<E>; ++h)
+      p.x[k * kPerWord<E> + h] = E::to_float(r.w[k] >> (16 * h));
   return p;
+}
+
+// Issues the raw loads of the packets at elements e = first + j * step < end of src, then
+// converts them; the other packets are zeros. e + 8 > end only for a run's last packet.
+// The conversion is unconditional so that fp32 converts in place (no second register set).
+template <typename E, int N>
+__device__ __forceinline__ void load_packets(const typename E::Bits* src, int64_t first,
+                                             int64_t step, int64_t end, bool vec,
+                                             Packet (&p)[N]) {
+  RawPacket<E> raw[N] = {};
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int64_t e = first + j * step;
+    if (e < end) raw[j] = load_raw<E>(src + e, packet_count(end - e), vec);
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) p[j] = to_packet<E>(raw[j]);
 }
 
 template <typename E>

@@ -122,8 +122,9 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(const QuantParams q,
     write_params(q, g, math::group_params(gathered_stats(q, g), q.format, q.symmetric));
 }
 
-// At least 3 blocks per SM: enough loads in flight, and the register cache (32 floats per
-// lane) still fits without spills.
+// At least 3 blocks per SM (768 threads, 80 registers): each lane issues the loads of its
+// up to 4 packets before using any (load_packets), 48-96 KB per SM in flight, and the
+// register cache (32 floats per lane) still fits without spills.
 template <typename E, CodeFormat F, Pass P>
 __global__ void __launch_bounds__(kThreads, 3) quantize_kernel(const QuantParams q) {
   constexpr int Bits = code_bits(F);
@@ -140,21 +141,21 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_kernel(const QuantParams
     const Unit unit = unit_at<P>(q, first + team);
     const bool leader = lane == 0 && unit.begin < unit.end;
     // Lane packets are interleaved (packet lane + j * lanes) so a warp reads contiguously.
+    const int64_t e0 = unit.begin + int64_t{kPacket} * lane;
+    const int64_t step = int64_t{kPacket} * lanes;
     Packet cache[kPacketsPerLane] = {};
+    load_packets<E>(input, e0, step, unit.end, q.vec_in, cache);
     bool whole[kPacketsPerLane];
 #pragma unroll
-    for (int j = 0; j < kPacketsPerLane; ++j) {
-      const int64_t e = unit.begin + int64_t{kPacket} * (lane + j * lanes);
-      whole[j] = e < unit.end && in_whole_block(e, q.n, q.hadamard);
-      if (e < unit.end) cache[j] = load_packet<E>(input + e, packet_count(unit.end - e), q.vec_in);
-    }
+    for (int j = 0; j < kPacketsPerLane; ++j)
+      whole[j] = e0 + j * step < unit.end && in_whole_block(e0 + j * step, q.n, q.hadamard);
     // Units start on block boundaries (group sizes and kChunk are multiples of the size).
     if (q.hadamard) hadamard_packets(cache, whole, lane, lanes, q.hadamard);
     GroupStats s = math::stats_identity();
     if constexpr (P != Pass::kCode) {
 #pragma unroll
       for (int j = 0; j < kPacketsPerLane; ++j)
-        if (unit.begin + int64_t{kPacket} * (lane + j * lanes) < unit.end) add_packet(s, cache[j]);
+        if (e0 + j * step < unit.end) add_packet(s, cache[j]);
     }
 
     if constexpr (P == Pass::kStats) {
@@ -170,7 +171,7 @@ __global__ void __launch_bounds__(kThreads, 3) quantize_kernel(const QuantParams
       }
 #pragma unroll
       for (int j = 0; j < kPacketsPerLane; ++j) {
-        const int64_t e = unit.begin + int64_t{kPacket} * (lane + j * lanes);
+        const int64_t e = e0 + j * step;
         if (e < unit.end) {
           const uint64_t codes = code_packet<F>(cache[j], params, q.symmetric, q.stochastic,
                                                 q.key, q.index_base + e);

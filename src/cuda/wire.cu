@@ -57,9 +57,14 @@ __device__ __forceinline__ void pad_tail(Packet& p, int count) {
 // e = first + j * step < end of chunk (or output) `item`; `end` is the end of the current
 // group or piece, so e + 8 > end only for the chunk's last packet.
 
-// kMinBlocks: the team kernel's blocks per SM (launch bounds): 3 leaves 80 registers per
-// thread, enough for a slice; a sum over sources needs more to hold its packets without
-// spilling.
+// kMinBlocks: the team kernel's blocks per SM (launch bounds), chosen for the bytes in
+// flight (~16 KB per SM saturate HBM) without spills (ptxas -v, sm_90, nvcc 13.0):
+// - a slice: 3 (768 threads, 80 registers); a lane issues its up to 4 packets' loads before
+//   using any (load_packets): 64 (16-bit) or 128 (fp32) bytes per thread, 48-96 KB per SM.
+// - a sum over sources: 2 (512 threads, 128 registers; 98-124 used) for the fp32 sums
+//   beside kSourcesInFlight raw packets: 8 quantized sources keep 32 (int4) or 64 (8-bit)
+//   bytes of codes per thread in flight, 16-32 KB per SM; 4 raw sources 64 or 128 bytes,
+//   32-64 KB per SM.
 
 template <typename E>
 struct SliceSource {  // encode: elements [slice_begin, +len) of partition p(item)
@@ -76,11 +81,7 @@ struct SliceSource {  // encode: elements [slice_begin, +len) of partition p(ite
                                        Packet (&p)[N]) const {
     const auto* src =
         input + partition_of(item, node_size, nodes) * partition_elems + slice_begin;
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const int64_t e = first + j * step;
-      if (e < end) p[j] = load_packet<E>(src + e, packet_count(end - e), vec);
-    }
+    load_packets<E>(src, first, step, end, vec, p);
   }
 };
 
@@ -110,9 +111,28 @@ __device__ __forceinline__ void accumulate(Packet& acc, const Packet& d, bool fi
   for (int k = 0; k < kPacket; ++k) acc.x[k] = math::add(acc.x[k], d.x[k]);
 }
 
+// Sums one packet over sources 0, 1, 2, ... in that order (as the CPU does: bit-identity),
+// K sources at a time: the raw loads of a batch are all issued before the first is
+// decoded and added, so K packets are in flight rather than one. Batching sources per
+// packet, rather than all of a lane's packets of several sources, keeps the registers of
+// only K raw packets live beside the sums (the latter spilled with 8-bit codes).
+template <int K, typename Raw, typename Load, typename Add>
+__device__ __forceinline__ void sum_sources(int sources, const Load& load, const Add& add) {
+  for (int s0 = 0; s0 < sources; s0 += K) {
+    Raw raw[K];
+#pragma unroll
+    for (int t = 0; t < K; ++t)
+      if (s0 + t < sources) raw[t] = load(s0 + t);
+#pragma unroll
+    for (int t = 0; t < K; ++t)
+      if (s0 + t < sources) add(s0 + t, raw[t]);
+  }
+}
+
 template <CodeFormat InF>
 struct QuantSumSource {  // reduce of quantized chunks
   static constexpr int kMinBlocks = 2;
+  static constexpr int kSourcesInFlight = 8;
   static constexpr int InBits = code_bits(InF);
   SumLayout l;
   int64_t scales_offset;  // of the input chunks
@@ -122,49 +142,59 @@ struct QuantSumSource {  // reduce of quantized chunks
   template <int N>
   __device__ __forceinline__ void load(int64_t item, int64_t first, int64_t step, int64_t end,
                                        Packet (&acc)[N]) const {
-    const uint8_t* chunk = l.input + item * l.output_stride;
+    const uint8_t* chunks = l.input + item * l.output_stride;
     // All packets of one load lie in one input group: N == 1, or the team of one output
     // group, which sits inside an input group (equal group sizes, checked by wire.cpp).
     const int64_t scale_at = scales_offset + 4 * (first / group_size);
-    for (int s = 0; s < l.sources; ++s, chunk += l.source_stride) {
-      const GroupParams p{first < end ? *reinterpret_cast<const float*>(chunk + scale_at) : 0.0f,
-                          0.0f};
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const int64_t e = first + j * step;
-        if (e < end) {
-          const uint64_t codes =
-              load_codes<InBits>(chunk + e * InBits / 8, packet_count(end - e), vec);
-          accumulate(acc[j], decode_packet<InF>(codes, p, /*symmetric=*/true), s == 0);
-        }
-      }
-    }
-    divide(acc, l.divisor);
+    struct Raw {
+      float scale;
+      uint64_t codes;
+    };
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const int64_t e = first + j * step;
-      if (e < end) pad_tail(acc[j], packet_count(end - e));
+      if (e >= end) continue;
+      const int count = packet_count(end - e);
+      sum_sources<kSourcesInFlight, Raw>(
+          l.sources,
+          [&](int s) {
+            const uint8_t* chunk = chunks + s * l.source_stride;
+            return Raw{*reinterpret_cast<const float*>(chunk + scale_at),
+                       load_codes<InBits>(chunk + e * InBits / 8, count, vec)};
+          },
+          [&](int s, const Raw& r) {
+            const GroupParams p{r.scale, 0.0f};
+            accumulate(acc[j], decode_packet<InF>(r.codes, p, /*symmetric=*/true), s == 0);
+          });
+      pad_tail(acc[j], count);
     }
+    divide(acc, l.divisor);
   }
 };
 
 template <typename E>
 struct RawSumSource {  // reduce of raw chunks
   static constexpr int kMinBlocks = 2;
+  static constexpr int kSourcesInFlight = 4;
   SumLayout l;
   bool vec;  // every input chunk 16-byte aligned
 
   template <int N>
   __device__ __forceinline__ void load(int64_t item, int64_t first, int64_t step, int64_t end,
                                        Packet (&acc)[N]) const {
-    const uint8_t* chunk = l.input + item * l.output_stride;
-    for (int s = 0; s < l.sources; ++s, chunk += l.source_stride) {
-      const auto* src = reinterpret_cast<const typename E::Bits*>(chunk);
+    const uint8_t* chunks = l.input + item * l.output_stride;
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        const int64_t e = first + j * step;
-        if (e < end) accumulate(acc[j], load_packet<E>(src + e, packet_count(end - e), vec), s == 0);
-      }
+    for (int j = 0; j < N; ++j) {
+      const int64_t e = first + j * step;
+      if (e >= end) continue;
+      const int count = packet_count(end - e);
+      sum_sources<kSourcesInFlight, RawPacket<E>>(
+          l.sources,
+          [&](int s) {
+            const auto* src = reinterpret_cast<const typename E::Bits*>(chunks + s * l.source_stride);
+            return load_raw<E>(src + e, count, vec);
+          },
+          [&](int s, const RawPacket<E>& r) { accumulate(acc[j], to_packet<E>(r), s == 0); });
     }
     divide(acc, l.divisor);
   }
