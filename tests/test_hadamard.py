@@ -332,7 +332,7 @@ RS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("world,node_size", [(4, 2), (2, 2)])
+@pytest.mark.parametrize("world,node_size", [(4, 2), (6, 2), (2, 2)])
 def test_reduce_scatter_matches_simulation(world, node_size):
     run_ranks(world, _rs_worker, node_size, RS_CASES, timeout=120)
 
