@@ -185,11 +185,9 @@ class QuantizedReduceScatter(_Allocating, ReduceScatter):
         _require_api()
         _check_bits(intra_bits, "intra_bits")
         _check_bits(inter_bits, "inter_bits")
-        if isinstance(pipeline_stages, bool) or not isinstance(pipeline_stages, int) or pipeline_stages < 1:
-            raise ValueError(f"pipeline_stages must be a positive int, got {pipeline_stages!r}")
         self.intra_bits = intra_bits
         self.inter_bits = inter_bits
-        self.pipeline_stages = pipeline_stages
+        self.pipeline_stages = _check_stages(pipeline_stages)
         self.group_size = check_group_size(group_size)
         self.node_size = _check_node_size(node_size)
 
