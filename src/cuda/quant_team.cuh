@@ -37,6 +37,10 @@ __device__ __forceinline__ int packet_count(int64_t remaining) {
   return static_cast<int>(min64(remaining, kPacket));
 }
 
+__device__ __forceinline__ void zero_bytes(uint8_t* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) p[i] = 0;
+}
+
 // ---- element types: fp32 <-> storage bits, nearest-even like the CPU's conversions ----
 // to_float reads the element from the low bits of its argument.
 struct Fp32 {
@@ -344,18 +348,21 @@ inline int team_lanes(int64_t group_size) {
   return lanes;
 }
 
+// Calls f(element type tag) for a float dtype.
+template <typename F>
+void with_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: return f(Fp32{});
+    case DType::kFloat16: return f(Fp16{});
+    case DType::kBFloat16: return f(Bf16{});
+    case DType::kBytes: break;  // never reaches a kernel (checked in kernels.cpp / wire.cpp)
+  }
+}
+
 // Calls f(element type tag, std::integral_constant<CodeFormat, format>).
 template <typename F>
 void dispatch(DType dtype, CodeFormat format, F&& f) {
-  const auto with_code = [&](auto elem) {
-    with_format(format, [&](auto code) { f(elem, code); });
-  };
-  switch (dtype) {
-    case DType::kFloat32: return with_code(Fp32{});
-    case DType::kFloat16: return with_code(Fp16{});
-    case DType::kBFloat16: return with_code(Bf16{});
-    case DType::kBytes: break;  // never reaches a kernel (checked in kernels.cpp / wire.cpp)
-  }
+  with_dtype(dtype, [&](auto elem) { with_format(format, [&](auto code) { f(elem, code); }); });
 }
 
 }  // namespace team

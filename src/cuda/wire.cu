@@ -6,17 +6,10 @@
 // added in order, first written, then divided). Sums stay in registers: the reduce is a
 // fused dequantize-reduce-quantize with no fp32 round trip through memory.
 //
-// Quantized outputs, group_size <= kChunk: the quantize team kernel, one team per (chunk,
-//   group): each lane holds its packets' values in registers, the team reduces the
-//   group's absmax, and the lanes write codes; the team leader writes the scale and, for
-//   a chunk's last group, zeroes the chunk's padding.
-// Quantized outputs, larger groups: the split path of quantize. A prepare kernel zeroes
-//   each chunk's scale slots and padding; a stats pass (one block per kChunk piece of a
-//   group) merges absmax bits into the scale slot with atomicMax; a finalize kernel turns
-//   them into scales; a code pass recomputes the values (re-reading the input, or for
-//   reduce re-summing the sources) and writes the codes.
-// Raw outputs (raw chunks, or values of out_dtype): one thread per packet; raw encode of
-//   the input's own dtype is a bit copy.
+// Quantized outputs: team_kernel.cuh's kernel (the one quantize.cu uses), with a ChunkSink:
+//   symmetric, nearest, each chunk's scales after its codes and its padding zeroed.
+// Raw outputs (raw chunks, or values of out_dtype): elementwise_kernel.cuh's kernel; raw
+//   encode of the input's own dtype is a bit copy.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -24,8 +17,10 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_kernels.h"
+#include "cuda/elementwise_kernel.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/quant_team.cuh"
+#include "cuda/team_kernel.cuh"
 #include "qcoll/quant_math.h"
 
 namespace qcoll {
@@ -38,10 +33,6 @@ using namespace team;
 __device__ __forceinline__ int64_t partition_of(int64_t k, int node_size, int nodes) {
   const int k32 = static_cast<int>(k);
   return node_size > 0 ? int64_t{k32 % nodes} * node_size + k32 / nodes : k;
-}
-
-__device__ __forceinline__ void zero_bytes(uint8_t* p, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) p[i] = 0;
 }
 
 // Missing elements of a run's last packet repeat element 0: they leave the statistics
@@ -200,211 +191,45 @@ struct RawSumSource {  // reduce of raw chunks
   }
 };
 
-// ---- quantized outputs ----------------------------------------------------------------------
-struct QuantChunks {  // `items` chunks of `len` elements at base + item * stride
-  uint8_t* base;
-  int64_t stride;
-  int64_t len;
-  int64_t group_size;
-  int64_t groups;  // per chunk
+// ---- quantized outputs: the sink of the team kernel ---------------------------------------
+// `items` chunks of `len` elements at base + item * stride: codes, then the scales at
+// scales_offset, then zero padding to chunk_bytes. Symmetric, nearest rounding.
+struct ChunkSink : CodeRuns {
   int64_t code_bytes;
   int64_t scales_offset;
   int64_t chunk_bytes;
-  int64_t items;
-  int64_t chunks_per_group;  // split path: kChunk pieces per group
-  int64_t units;             // team work items: items * groups (* chunks_per_group)
-  int lanes;                 // fused path
-  CodeFormat format;
-  int hadamard;  // block size of the transform between the source and the codes (0: none)
-  bool vec;  // every chunk's codes aligned to a packet's code bytes
 
-  __device__ __forceinline__ uint8_t* chunk(int64_t item) const { return base + item * stride; }
-  __device__ __forceinline__ float* scale(int64_t item, int64_t g) const {
-    return reinterpret_cast<float*>(chunk(item) + scales_offset) + g;
+  __device__ static constexpr bool symmetric() { return true; }
+  __device__ static constexpr bool stochastic() { return false; }
+  __device__ static constexpr uint64_t key() { return 0; }
+  __device__ static constexpr uint64_t index(int64_t, int64_t) { return 0; }
+
+  __device__ __forceinline__ void finish(int64_t item) const {  // zero the chunk's padding
+    uint8_t* chunk = run_codes(item);
+    zero_bytes(chunk + code_bytes, scales_offset - code_bytes);
+    const int64_t scales_end = scales_offset + 4 * groups;
+    zero_bytes(chunk + scales_end, chunk_bytes - scales_end);
   }
+
+  void prepare(cudaStream_t stream) const;
 };
-
-struct TeamUnit {
-  int64_t item, group;
-  int64_t begin, end;  // element range in the chunk; empty past the last unit
-};
-
-template <Pass P>
-__device__ __forceinline__ TeamUnit team_unit(const QuantChunks& c, int64_t u) {
-  if (u >= c.units) return {0, 0, 0, 0};
-  const int64_t per_item = P == Pass::kFused ? c.groups : c.groups * c.chunks_per_group;
-  const int64_t item = u / per_item;
-  const int64_t r = u - item * per_item;
-  const int64_t g = P == Pass::kFused ? r : r / c.chunks_per_group;
-  const int64_t group_begin = g * c.group_size;
-  const int64_t group_end = min64(group_begin + c.group_size, c.len);
-  if constexpr (P == Pass::kFused) {
-    return {item, g, group_begin, group_end};
-  } else {
-    const int64_t begin = group_begin + (r - g * c.chunks_per_group) * kChunk;
-    return {item, g, begin, min64(begin + kChunk, group_end)};
-  }
-}
-
-__device__ __forceinline__ void zero_quant_padding(const QuantChunks& c, int64_t item) {
-  uint8_t* chunk = c.chunk(item);
-  zero_bytes(chunk + c.code_bytes, c.scales_offset - c.code_bytes);
-  const int64_t scales_end = c.scales_offset + 4 * c.groups;
-  zero_bytes(chunk + scales_end, c.chunk_bytes - scales_end);
-}
-
-// The quantize team kernel (src/cuda/quantize.cu), symmetric and nearest, with the values
-// from `src` and the codes and scales into chunks.
-template <CodeFormat F, Pass P, typename Src>
-__global__ void __launch_bounds__(kThreads, Src::kMinBlocks) team_kernel(const Src src, const QuantChunks c) {
-  constexpr int Bits = code_bits(F);
-  __shared__ GroupStats partial[kThreads / 32];
-  const int lanes = P == Pass::kFused ? c.lanes : kThreads;
-  const int teams = kThreads / lanes;
-  const int lane = threadIdx.x % lanes;
-  const int team = threadIdx.x / lanes;
-
-  // Block-uniform trip count: every thread reaches team_reduce's shuffles and barriers.
-  for (int64_t first = int64_t{blockIdx.x} * teams; first < c.units;
-       first += int64_t{gridDim.x} * teams) {
-    const TeamUnit unit = team_unit<P>(c, first + team);
-    const bool leader = lane == 0 && unit.begin < unit.end;
-    // Lane packets are interleaved (packet lane + j * lanes) so a warp reads contiguously.
-    const int64_t e0 = unit.begin + int64_t{kPacket} * lane;
-    const int64_t step = int64_t{kPacket} * lanes;
-    Packet cache[kPacketsPerLane] = {};
-    src.load(unit.item, e0, step, unit.end, cache);
-    if (c.hadamard) {  // units start on block boundaries, as in quantize.cu
-      bool whole[kPacketsPerLane];
-#pragma unroll
-      for (int j = 0; j < kPacketsPerLane; ++j)
-        whole[j] = e0 + j * step < unit.end && in_whole_block(e0 + j * step, c.len, c.hadamard);
-      hadamard_packets(cache, whole, lane, lanes, c.hadamard);
-    }
-
-    GroupStats s = math::stats_identity();
-    if constexpr (P != Pass::kCode) {
-#pragma unroll
-      for (int j = 0; j < kPacketsPerLane; ++j)
-        if (e0 + j * step < unit.end) add_packet(s, cache[j]);
-    }
-    if constexpr (P == Pass::kStats) {
-      s = team_reduce(s, lanes, partial);
-      if (leader) atomicMax(reinterpret_cast<unsigned int*>(c.scale(unit.item, unit.group)), s.abs_bits);
-    } else {
-      GroupParams params{0.0f, 0.0f};
-      if constexpr (P == Pass::kFused) {
-        params = math::group_params(team_reduce(s, lanes, partial), F, /*symmetric=*/true);
-        if (leader) *c.scale(unit.item, unit.group) = params.scale;
-      } else if (unit.begin < unit.end) {
-        params.scale = *c.scale(unit.item, unit.group);
-      }
-      uint8_t* chunk = c.chunk(unit.item);
-#pragma unroll
-      for (int j = 0; j < kPacketsPerLane; ++j) {
-        const int64_t e = e0 + j * step;
-        if (e < unit.end) {
-          const uint64_t codes = code_packet<F>(cache[j], params, /*symmetric=*/true,
-                                                /*stochastic=*/false, 0, 0);
-          store_codes<Bits>(chunk + e * Bits / 8, codes, packet_count(unit.end - e), c.vec);
-        }
-      }
-      // After the codes, when the packets' registers are free.
-      if (P == Pass::kFused && leader && unit.group == c.groups - 1)
-        zero_quant_padding(c, unit.item);
-    }
-  }
-}
 
 // Split path, before the stats pass: scale slots (atomicMax targets) and padding to 0.
-__global__ void __launch_bounds__(kThreads) prepare_kernel(const QuantChunks c) {
+__global__ void __launch_bounds__(kThreads) prepare_kernel(const ChunkSink c) {
   const int64_t per_item = c.chunk_bytes - c.code_bytes;
   for (int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x; i < c.items * per_item;
        i += int64_t{gridDim.x} * kThreads) {
     const int64_t item = i / per_item;
-    c.chunk(item)[c.code_bytes + (i - item * per_item)] = 0;
+    c.codes[item * c.stride + c.code_bytes + (i - item * per_item)] = 0;
   }
 }
 
-// Split path, after the stats pass: absmax bits -> scale.
-__global__ void __launch_bounds__(kThreads) finalize_kernel(const QuantChunks c) {
-  for (int64_t i = int64_t{blockIdx.x} * kThreads + threadIdx.x; i < c.items * c.groups;
-       i += int64_t{gridDim.x} * kThreads) {
-    const int64_t item = i / c.groups;
-    float* slot = c.scale(item, i - item * c.groups);
-    GroupStats s = math::stats_identity();
-    s.abs_bits = *reinterpret_cast<const unsigned int*>(slot);  // symmetric: only abs_bits
-    *slot = math::group_params(s, c.format, /*symmetric=*/true).scale;
-  }
-}
-
-template <CodeFormat F, typename Src>
-void launch_team(const Src& src, QuantChunks c, cudaStream_t stream) {
-  if (c.group_size <= kChunk) {
-    c.lanes = team_lanes(c.group_size);
-    c.units = c.items * c.groups;
-    launch<team_kernel<F, Pass::kFused, Src>>(grid_for(c.units, kThreads / c.lanes), kThreads,
-                                                  stream, src, c);
-    return;
-  }
-  c.lanes = kThreads;
-  c.chunks_per_group = (c.group_size + kChunk - 1) / kChunk;
-  c.units = c.items * c.groups * c.chunks_per_group;
-  launch<prepare_kernel>(grid_for(c.items * (c.chunk_bytes - c.code_bytes), kThreads), kThreads,
-                         stream, c);
-  launch<team_kernel<F, Pass::kStats, Src>>(grid_for(c.units, 1), kThreads, stream, src, c);
-  launch<finalize_kernel>(grid_for(c.items * c.groups, kThreads), kThreads, stream, c);
-  launch<team_kernel<F, Pass::kCode, Src>>(grid_for(c.units, 1), kThreads, stream, src, c);
+void ChunkSink::prepare(cudaStream_t stream) const {
+  launch<prepare_kernel>(grid_for(items * (chunk_bytes - code_bytes), kThreads), kThreads, stream,
+                         *this);
 }
 
 // ---- raw outputs ------------------------------------------------------------------------------
-struct RawRuns {  // `items` runs of `len` elements at base + item * stride bytes
-  uint8_t* base;
-  int64_t stride;
-  int64_t len;
-  int64_t items;
-  int64_t data_bytes;  // len * element size
-  int64_t end_bytes;   // raw chunk: chunk_bytes (the rest is zeroed); values: data_bytes
-  int hadamard;        // block size of the (inverse) transform of the source's values (0: none)
-  bool vec;            // every run 16-byte aligned
-};
-
-// Threads per run of the elementwise kernel: one per packet, padded with a transform to
-// whole blocks so that a block's packets are consecutive threads of one warp.
-__host__ __device__ __forceinline__ int64_t run_threads(const RawRuns& r) {
-  const int64_t packets = (r.len + kPacket - 1) / kPacket;
-  const int64_t per_block = r.hadamard ? r.hadamard / kPacket : 1;
-  return (packets + per_block - 1) / per_block * per_block;
-}
-
-__device__ __forceinline__ void zero_raw_padding(const RawRuns& r, int64_t item, int64_t e) {
-  if (e + kPacket >= r.len)  // the thread of the run's last packet
-    zero_bytes(r.base + item * r.stride + r.data_bytes, r.end_bytes - r.data_bytes);
-}
-
-template <typename Eout, typename Src>
-__global__ void __launch_bounds__(kThreads) elementwise_kernel(const Src src, const RawRuns r) {
-  const int64_t per_run = run_threads(r);
-  // Block-uniform trip count: with a transform, every thread reaches its shuffles.
-  for (int64_t first = int64_t{blockIdx.x} * kThreads; first < r.items * per_run;
-       first += int64_t{gridDim.x} * kThreads) {
-    const int64_t i = first + threadIdx.x;
-    const int64_t item = i / per_run;
-    const int64_t e = (i - item * per_run) * kPacket;
-    const bool valid = item < r.items && e < r.len;
-    Packet p[1] = {};
-    if (valid) src.load(item, e, kPacket, r.len, p);
-    if (r.hadamard) {
-      const bool whole[1] = {valid && in_whole_block(e, r.len, r.hadamard)};
-      hadamard_packets(p, whole, threadIdx.x % 32, 32, r.hadamard);
-    }
-    if (!valid) continue;
-    auto* dst = reinterpret_cast<typename Eout::Bits*>(r.base + item * r.stride);
-    store_packet<Eout>(dst + e, packet_count(r.len - e), r.vec, p[0]);
-    zero_raw_padding(r, item, e);
-  }
-}
-
 // Raw encode in the input's own dtype: the bits are copied (NaN payloads included).
 template <typename E>
 __global__ void __launch_bounds__(kThreads) copy_kernel(const SliceSource<E> src, const RawRuns r) {
@@ -430,15 +255,12 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(const SliceSource<E> src
 }
 
 // ---- host side ------------------------------------------------------------------------------
-// Alignment of every run base + k * stride, k < count.
-bool runs_aligned(const void* base, int64_t stride, int64_t count, uintptr_t bytes) {
-  return aligned(base, bytes) && (count <= 1 || stride % static_cast<int64_t>(bytes) == 0);
-}
-
-QuantChunks quant_chunks(uint8_t* base, int64_t stride, int64_t items, const WireFormat& fmt,
-                         int64_t len) {
-  QuantChunks c{};
-  c.base = base;
+ChunkSink chunk_sink(uint8_t* base, int64_t stride, int64_t items, const WireFormat& fmt,
+                     int64_t len) {
+  ChunkSink c{};
+  c.codes = base;
+  c.scales = reinterpret_cast<float*>(base + fmt.scales_offset(len));
+  c.offsets = nullptr;
   c.stride = stride;
   c.len = len;
   c.group_size = fmt.group_size;
@@ -447,42 +269,9 @@ QuantChunks quant_chunks(uint8_t* base, int64_t stride, int64_t items, const Wir
   c.scales_offset = fmt.scales_offset(len);
   c.chunk_bytes = fmt.chunk_bytes(len);
   c.items = items;
-  c.format = fmt.format;
   // A packet's codes take code_bits bytes (8 codes).
   c.vec = runs_aligned(base, stride, items, static_cast<uintptr_t>(code_bits(fmt.format)));
   return c;
-}
-
-RawRuns raw_runs(void* base, int64_t stride_bytes, int64_t items, DType dtype, int64_t len,
-                 int64_t end_bytes) {
-  RawRuns r{};
-  r.base = static_cast<uint8_t*>(base);
-  r.stride = stride_bytes;
-  r.len = len;
-  r.items = items;
-  r.data_bytes = len * static_cast<int64_t>(dtype_size(dtype));
-  r.end_bytes = end_bytes;
-  r.vec = runs_aligned(base, stride_bytes, items, 16);
-  return r;
-}
-
-template <typename F>
-void with_dtype(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return f(Fp32{});
-    case DType::kFloat16: return f(Fp16{});
-    case DType::kBFloat16: return f(Bf16{});
-    case DType::kBytes: break;  // never reaches a kernel (checked in wire.cpp)
-  }
-}
-
-// Runs a source through the kernel that the output format asks for.
-template <typename Src>
-void launch_elementwise(const Src& src, const RawRuns& r, DType out_dtype, cudaStream_t stream) {
-  with_dtype(out_dtype, [&](auto out) {
-    launch<elementwise_kernel<decltype(out), Src>>(
-        grid_for(r.items * run_threads(r), kThreads), kThreads, stream, src, r);
-  });
 }
 
 }  // namespace
@@ -502,7 +291,7 @@ void encode_chunks(const EncodeArgs& a) {
     src.vec = aligned(a.input, 16) && (a.partition_elems * esize) % 16 == 0 &&
               (a.slice_begin * esize) % 16 == 0;
     if (a.fmt.quantized()) {
-      QuantChunks c = quant_chunks(a.output, a.chunk_stride, a.count, a.fmt, a.len);
+      ChunkSink c = chunk_sink(a.output, a.chunk_stride, a.count, a.fmt, a.len);
       c.hadamard = a.fmt.hadamard_size;
       with_format(a.fmt.format, [&](auto f) { launch_team<decltype(f)::value>(src, c, stream); });
       return;
@@ -540,7 +329,7 @@ void reduce_chunks(const ReduceArgs& a) {
       r.hadamard = hadamard;
       return launch_elementwise(src, r, a.out_fmt.raw_dtype, stream);
     }
-    QuantChunks c = quant_chunks(a.out_wire, a.out_chunk_stride, a.outputs, a.out_fmt, a.len);
+    ChunkSink c = chunk_sink(a.out_wire, a.out_chunk_stride, a.outputs, a.out_fmt, a.len);
     c.hadamard = hadamard;
     with_format(a.out_fmt.format, [&](auto f) { launch_team<decltype(f)::value, Src>(src, c, stream); });
   };
