@@ -1,8 +1,9 @@
 """qcoll.destroy(), then new groups, several times over: the ProcessGroups qcoll creates
 for a group that is not the whole world (a sub-ProcessGroup's group, an HSDP replicate
-group) must not meet the rendezvous keys their destroyed predecessors left in the store.
-Each round's collectives match the simulation bit for bit, and destroyed groups leave no
-threads, ProcessGroups or sockets behind."""
+group) must not meet the rendezvous keys their destroyed predecessors left in the store,
+nor the names of live groups over the same ranks. Each round's collectives match the
+simulation bit for bit, and destroyed groups leave no threads, ProcessGroups or sockets
+behind. The whole world's groups, made and destroyed the same way, too."""
 
 from __future__ import annotations
 
@@ -54,7 +55,16 @@ def _open_sockets() -> int:
     return count
 
 
-def _recreate_worker(rank, world):
+def _check_destroyed(round_, baseline: list) -> None:
+    """After destroy(): as many threads, ProcessGroups and sockets as after the first round."""
+    now = (threading.active_count(), len(dist.distributed_c10d._world.pg_map), _open_sockets())
+    if not baseline:
+        baseline.extend(now)
+    assert list(now) == baseline, (f"round {round_}: (threads, ProcessGroups, sockets) after "
+                                   f"destroy() = {now}, after the first round {tuple(baseline)}")
+
+
+def _sub_group_worker(rank, world):
     # A strict sub-group (ranks 0-3 of 6) as 2 nodes x 2, and HSDP's replicate groups
     # ({0, 2} and {1, 3}) as plain ProcessGroups resolved by qcoll; ranks 4 and 5 never
     # take part in qcoll's groups (nothing may ask them to).
@@ -64,28 +74,41 @@ def _recreate_worker(rank, world):
     replicate_pgs = [dist.new_group(r, timeout=TIMEOUT) for r in replicas]
     if rank not in sub_ranks:
         return None
-    mine = replicas[rank % 2]
-    replicate_pg = replicate_pgs[rank % 2]
-    baseline_threads = baseline_pgs = baseline_sockets = None
+    baseline = []
     for round_ in range(ROUNDS):
+        first = qcoll.new_group(sub_pg, node_size=2, timeout=TIMEOUT)
         group = qcoll.new_group(sub_pg, node_size=2, timeout=TIMEOUT)
+        # One closed while another over the same ranks lives: the next one's ProcessGroups
+        # must not take the live group's names either.
+        first.close()
+        again = qcoll.new_group(sub_pg, node_size=2, timeout=TIMEOUT)
         _check_round(group, sub_ranks, 2, ("sub", round_))
-        _check_round(replicate_pg, mine, 1, ("replicate", round_))  # via resolve_group
+        _check_round(again, sub_ranks, 2, ("sub again", round_))
+        _check_round(replicate_pgs[rank % 2], replicas[rank % 2], 1, ("replicate", round_))
         qcoll.destroy()
-        del group
-        threads = threading.active_count()
-        pgs = len(dist.distributed_c10d._world.pg_map)
-        sockets = _open_sockets()
-        if baseline_threads is None:
-            baseline_threads, baseline_pgs, baseline_sockets = threads, pgs, sockets
-        assert (threads, pgs, sockets) == (baseline_threads, baseline_pgs, baseline_sockets), (
-            f"round {round_}: (threads, ProcessGroups, sockets) after destroy() = "
-            f"{(threads, pgs, sockets)}, after the first round "
-            f"{(baseline_threads, baseline_pgs, baseline_sockets)}")
+        del first, group, again
+        _check_destroyed(round_, baseline)
     return ROUNDS
 
 
-def test_groups_are_recreated_after_destroy():
-    hosts = {r: {"QCOLL_HOST_ID": f"host{r // 2}"} for r in range(6)}  # 3 nodes x 2
-    results = run_ranks(6, _recreate_worker, env=hosts, timeout=150)
+def _world_worker(rank, world):
+    baseline = []
+    for round_ in range(ROUNDS):
+        group = qcoll.new_group(node_size=2, timeout=TIMEOUT)
+        _check_round(group, list(range(world)), 2, ("world", round_))
+        qcoll.destroy()
+        del group
+        _check_destroyed(round_, baseline)
+    return ROUNDS
+
+
+HOSTS = {r: {"QCOLL_HOST_ID": f"host{r // 2}"} for r in range(6)}  # nodes of 2 ranks
+
+
+def test_sub_groups_are_recreated_after_destroy():
+    results = run_ranks(6, _sub_group_worker, env=HOSTS, timeout=150)
     assert results == [ROUNDS] * 4 + [None] * 2
+
+
+def test_world_groups_are_recreated_after_destroy():
+    assert run_ranks(4, _world_worker, env=HOSTS, timeout=150) == [ROUNDS] * 4
