@@ -56,7 +56,10 @@ def _open_sockets() -> int:
 
 
 def _check_destroyed(round_, baseline: list) -> None:
-    """After destroy(): as many threads, ProcessGroups and sockets as after the first round."""
+    """After destroy(): none of qcoll's ProcessGroups left, and as many threads,
+    ProcessGroups and sockets as after the first round."""
+    names = dist.distributed_c10d._world.pg_names.values()
+    assert not [n for n in names if n.startswith("qcoll-")], f"round {round_}: {list(names)}"
     now = (threading.active_count(), len(dist.distributed_c10d._world.pg_map), _open_sockets())
     if not baseline:
         baseline.extend(now)
@@ -95,6 +98,7 @@ def _world_worker(rank, world):
     baseline = []
     for round_ in range(ROUNDS):
         group = qcoll.new_group(node_size=2, timeout=TIMEOUT)
+        qcoll.new_group(node_size=2, timeout=TIMEOUT)  # dropped, never closed
         _check_round(group, list(range(world)), 2, ("world", round_))
         qcoll.destroy()
         del group

@@ -38,6 +38,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+_PREFIX = "qcoll-"
 _lock = threading.Lock()
 _world_ref = None  # weakref to the default group the counts belong to
 _counts: dict = {}  # tuple(ranks) -> groups created over them in that world
@@ -54,7 +55,7 @@ def _next_name(ranks: list) -> str:
         n = _counts.get(key, 0)
         _counts[key] = n + 1
     digest = hashlib.sha1(",".join(map(str, ranks)).encode(), usedforsecurity=False).hexdigest()
-    return f"qcoll-{digest[:20]}-{n}"
+    return f"{_PREFIX}{digest[:20]}-{n}"
 
 
 def new_process_group(ranks: list, timeout: Optional[timedelta] = None):
@@ -90,3 +91,11 @@ def _members_only(world):
             yield
         finally:
             world.bound_device_id = bound
+
+
+def destroy_remaining() -> None:
+    """Destroy every ProcessGroup qcoll created that is still registered, in creation order:
+    those of Groups dropped without close() (their finalizer stops only the worker thread)."""
+    for pg, name in list(c10d._world.pg_names.items()):
+        if name.startswith(_PREFIX):
+            dist.destroy_process_group(pg)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._calls import CallQueue
-from ._process_groups import new_process_group
+from ._process_groups import destroy_remaining, new_process_group
 from ._streams import CudaCalls
 from ._torch_transport import Buffers, ProcessGroupTransport, SelfTransport
 
@@ -292,12 +292,14 @@ _default_groups = {}
 
 
 def destroy() -> None:
-    """Close every qcoll.Group of this process (see Group.close), in creation order, and
-    forget the Groups made for plain ProcessGroups. Collective, like Group.close."""
+    """Close every qcoll.Group of this process (see Group.close), in creation order, forget
+    the Groups made for plain ProcessGroups, and destroy the ProcessGroups of Groups dropped
+    without close(). Collective, like Group.close."""
     groups = sorted(_live_groups, key=lambda g: g._created)  # before the cache lets any go
     _default_groups.clear()
     for g in groups:
         g.close()
+    destroy_remaining()
 
 
 def resolve_group(group, node_size: Optional[int] = None) -> Group:
