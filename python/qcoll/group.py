@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._calls import CallQueue
+from ._process_groups import destroy_remaining, new_process_group
 from ._streams import CudaCalls
 from ._torch_transport import Buffers, ProcessGroupTransport, SelfTransport
 
@@ -60,7 +61,7 @@ class Group:
         self._buffers, self._calls, self._cuda = _family
         # The ProcessGroup qcoll communicates over: its own, never the caller's.
         if self.size > 1 and _owned_pg is None:
-            _owned_pg = _partition_groups([self.global_ranks], self.global_ranks, timeout)[0]
+            _owned_pg = _partition_groups([self.global_ranks], timeout)[0]
         self._owned_pg = _owned_pg
         self._role = _role
         label = f"the {_role} (global ranks {self.global_ranks})"
@@ -103,13 +104,13 @@ class Group:
         return self._inter
 
     def _make_subgroups(self) -> None:
-        """Collective over the group's members: every member creates every sub-group of
-        the partition, in the same order (see _partition_groups)."""
+        """Collective over the group's members: each creates the ProcessGroups of its node
+        and of its column (see _partition_groups)."""
         n, m = self.node_size, self.num_nodes
         nodes = [self.global_ranks[k * n:(k + 1) * n] for k in range(m)]
         columns = [self.global_ranks[j::n] for j in range(n)]
-        intra = _partition_groups(nodes, self.global_ranks, self.timeout)[self.node]
-        inter = _partition_groups(columns, self.global_ranks, self.timeout)[self.local_rank]
+        intra = _partition_groups(nodes, self.timeout)[self.node]
+        inter = _partition_groups(columns, self.timeout)[self.local_rank]
         family = (self._buffers, self._calls, self._cuda)
         if self._intra is None and self.num_nodes > 1:
             self._intra = _subgroup(intra, nodes[self.node], n, self.backend, self.timeout,
@@ -177,19 +178,13 @@ class Group:
                 f"num_nodes={self.num_nodes}, backend={self.backend!r})")
 
 
-def _partition_groups(blocks: list, members: list, timeout: Optional[timedelta] = None) -> list:
-    """ProcessGroups for disjoint blocks of ranks (None for a block of one rank), each with
-    `timeout` (None: torch's default).
-
-    When the members are the whole world, every rank creates every block's group in order:
-    torch numbers groups by a per-process counter, so ranks must create the same groups in
-    the same sequence. A strict sub-group cannot ask non-members to join; each member then
-    creates only its own block with group-local synchronization."""
-    if len(members) == dist.get_world_size():
-        return [dist.new_group(b, timeout=timeout) if len(b) > 1 else None for b in blocks]
+def _partition_groups(blocks: list, timeout: Optional[timedelta] = None) -> list:
+    """ProcessGroups for disjoint blocks of global ranks: this rank's block gets its group
+    (None for a block of one rank), every other block None. Collective over each block's
+    members only (see _process_groups: qcoll names its groups, so no other rank of the
+    world takes part). timeout: None is torch's default."""
     me = dist.get_rank()
-    return [dist.new_group(b, timeout=timeout, use_local_synchronization=True)
-            if (me in b and len(b) > 1) else None for b in blocks]
+    return [new_process_group(b, timeout) if (me in b and len(b) > 1) else None for b in blocks]
 
 
 def _subgroup(pg, ranks, node_size: int, backend, timeout: Optional[timedelta] = None,
@@ -297,12 +292,14 @@ _default_groups = {}
 
 
 def destroy() -> None:
-    """Close every qcoll.Group of this process (see Group.close), in creation order, and
-    forget the Groups made for plain ProcessGroups. Collective, like Group.close."""
+    """Close every qcoll.Group of this process (see Group.close), in creation order, forget
+    the Groups made for plain ProcessGroups, and destroy the ProcessGroups of Groups dropped
+    without close(). Collective, like Group.close."""
     groups = sorted(_live_groups, key=lambda g: g._created)  # before the cache lets any go
     _default_groups.clear()
     for g in groups:
         g.close()
+    destroy_remaining()
 
 
 def resolve_group(group, node_size: Optional[int] = None) -> Group:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..collectives import quantized_allgather
-from ..group import Group, _partition_groups, _subgroup, new_group, resolve_group
+from ..group import Group, _partition_groups, _subgroup, resolve_group
 from . import checkpoint
 from .collectives import EngineCollectives
 from .config import ZeroConfig
@@ -40,10 +40,11 @@ def _hpz_group(group: Group, size: Optional[int]) -> Group:
     if size == group.node_size:
         return group.intra
     blocks = [group.global_ranks[s:s + size] for s in range(0, group.size, size)]
-    mine = _partition_groups(blocks, group.global_ranks)[group.rank // size]
-    if mine is None:  # one rank: its secondary shard is the whole gathered weight
-        return _subgroup(None, blocks[group.rank // size], node_size=1, backend=group.backend)
-    return new_group(mine, node_size=size, backend=group.backend)
+    mine = _partition_groups(blocks, group.timeout)[group.rank // size]
+    # A Group of its own that owns `mine` (close() destroys it); one rank: a singleton,
+    # its secondary shard is the whole gathered weight.
+    return _subgroup(mine, blocks[group.rank // size], node_size=size, backend=group.backend,
+                     timeout=group.timeout)
 
 
 def _cast_inputs(value, dtype: torch.dtype):
