@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import threading
 import weakref
 from datetime import timedelta
@@ -42,6 +43,20 @@ _PREFIX = "qcoll-"
 _lock = threading.Lock()
 _world_ref = None  # weakref to the default group the counts belong to
 _counts: dict = {}  # tuple(ranks) -> groups created over them in that world
+
+
+def _helper_fits() -> bool:
+    """Whether this torch's _new_process_group_helper takes what new_process_group passes
+    (checked once: a private function may change with a torch release)."""
+    helper = getattr(c10d, "_new_process_group_helper", None)
+    if helper is None or not all(hasattr(c10d, a) for a in ("_world", "_get_default_timeout")):
+        return False
+    params = inspect.signature(helper).parameters
+    return list(params)[:6] == ["group_size", "group_rank", "global_ranks_in_group", "backend",
+                                "store", "group_name"] and {"timeout", "group_desc"} <= set(params)
+
+
+_NAMED = _helper_fits()
 
 
 def _next_name(ranks: list) -> str:
@@ -66,6 +81,8 @@ def new_process_group(ranks: list, timeout: Optional[timedelta] = None):
     me = dist.get_rank()
     if me not in ranks or len(ranks) < 2:
         raise ValueError(f"ranks must hold this rank ({me}) and at least one other, got {ranks}")
+    if not _NAMED:  # another torch: its own naming (groups then cannot be re-created after destroy())
+        return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
     world = c10d._get_default_group()
     backend_name, store = c10d._world.pg_map[world]
     backend = dist.Backend(backend_name)
