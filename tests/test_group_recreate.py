@@ -116,3 +116,19 @@ def test_sub_groups_are_recreated_after_destroy():
 
 def test_world_groups_are_recreated_after_destroy():
     assert run_ranks(4, _world_worker, env=HOSTS, timeout=150) == [ROUNDS] * 4
+
+
+def _fallback_worker(rank, world):
+    # A torch whose private helper does not fit: torch's own new_group names the groups.
+    from qcoll import _process_groups
+
+    _process_groups._NAMED = False
+    group = qcoll.new_group(node_size=2, timeout=TIMEOUT)
+    _check_round(group, list(range(world)), 2, ("fallback", 0))
+    names = list(dist.distributed_c10d._world.pg_names.values())
+    qcoll.destroy()
+    return [n for n in names if n.startswith("qcoll-")]
+
+
+def test_unfitting_torch_helper_falls_back_to_torch_names():
+    assert run_ranks(4, _fallback_worker, env=HOSTS, timeout=150) == [[]] * 4
