@@ -11,7 +11,8 @@ Suites:
   zero         a ZeRO-3 training step (small GPT, qcoll.zero.ZeroEngine, 2 nodes x 2 gloo
                ranks) per configuration: all off, qwZ, hpZ, qgZ alone, all on; --link GBIT
                runs it on the cluster suite's emulated cluster at that link rate; --ddp:
-               DDP steps, default all-reduce vs qcoll.ddp's hook
+               DDP steps, default all-reduce vs qcoll.ddp's hook; --stage2: stage 2 with and
+               without overlap_publish
   error_feedback  int4 gradients with and without qcoll.ErrorFeedback (DDP, convergence
                test's GPT)
   fidelity     issue 12's bar: final loss vs an fp32 reference and cross-node bytes of
@@ -58,7 +59,7 @@ OPTIONS = {  # suite -> the options of this command line it understands
     "group_size": set(),
     "collectives": {"sizes", "device", "pipeline_only", "overlap_only", "all_reduce_only"},
     "cluster": {"sizes", "pipeline_only", "overlap_only", "all_reduce_only"},
-    "zero": {"link", "tiny", "dtype", "ddp"},
+    "zero": {"link", "tiny", "dtype", "ddp", "stage2"},
     "error_feedback": set(),
     "fidelity": {"tiny"},
 }
@@ -113,6 +114,9 @@ def main() -> None:
     parser.add_argument("--ddp", action="store_true", default=None,
                         help="zero: DistributedDataParallel steps instead, DDP's default all-reduce "
                              "vs qcoll.ddp's quantized hook")
+    parser.add_argument("--stage2", action="store_true", default=None,
+                        help="zero: SDP4Bit's stage 2, step() waiting for the new weights vs "
+                             "ZeroConfig(overlap_publish=True)")
     # Hidden: the zero / fidelity suite on a tiny model or few rows, 3 steps (the smoke tests).
     parser.add_argument("--tiny", action="store_true", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -120,7 +124,7 @@ def main() -> None:
         args.link = int(args.link)
 
     options = {k: getattr(args, k) for k in ("sizes", "device", "link", "tiny", "pipeline_only", "overlap_only",
-                                             "all_reduce_only", "dtype", "ddp")
+                                             "all_reduce_only", "dtype", "ddp", "stage2")
                if getattr(args, k) is not None}
     unknown = set(options) - OPTIONS[args.suite]
     if unknown:

@@ -79,6 +79,21 @@ def test_zero_ddp_tiny_result_line():
     assert 0 < rows["DDP+qcoll"]["inter_bytes_per_rank"] < 0.5 * rows["DDP"]["inter_bytes_per_rank"]
 
 
+def test_zero_stage2_tiny_result_line():
+    """`bench/run.py zero --stage2 --tiny`: stage 2 waiting vs overlap_publish, the same
+    losses, and the back-to-back time that the speedup is taken from."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "zero", "--stage2", "--tiny"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1][len("RESULT "):])
+    rows = {r["config"]: r for r in result["rows"]}
+    assert set(rows) == {"stage 2", "stage 2 overlap"}
+    wait, overlap = rows["stage 2"], rows["stage 2 overlap"]
+    assert overlap["overlap_publish"] is True and wait["losses"] == overlap["losses"]
+    assert all(r["loop_steps"] == r["steps"] - r["warmup"] and r["loop_step_time_s"] > 0 for r in rows.values())
+    assert overlap["speedup_vs_zero3"] == wait["loop_step_time_s"] / overlap["loop_step_time_s"]
+
+
 def test_fidelity_tiny_result_line():
     """`bench/run.py fidelity --tiny`: the fp32 reference, ZeRO-3, ZeRO++ and SDP4Bit without
     Hadamard on the convergence test's model, 3 steps on 4 gloo ranks."""

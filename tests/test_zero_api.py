@@ -98,6 +98,8 @@ def test_stage_defaults():
     (dict(grad_hadamard=True, qgz=False), "grad_hadamard=True needs qgz=True"),
     (dict(qwd=1, stage=2), "qwd"),
     (dict(grad_hadamard="yes"), "grad_hadamard"),
+    (dict(overlap_publish=True), "overlap_publish=True needs stage=2"),
+    (dict(stage=2, overlap_publish=1), "overlap_publish"),
 ])
 def test_switches_that_do_not_apply_to_the_stage_raise(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -169,6 +171,16 @@ def _worker(rank, world):
         started = engine.stats()  # stage 2: the unquantized all-gather that starts the replicas
         losses = [_one_step(engine, rank, s) for s in range(2)]
         out[name] = dict(losses=losses, stats=engine.stats(), state=engine.full_state_dict(), started=started)
+
+    # Stage 2 with the weights' all-gathers left in flight by step(): the same training.
+    engine = _engine(None, stage=2, qwd=True, weight_bits=4, grad_hadamard=True, overlap_publish=True)
+    losses = [_one_step(engine, rank, s) for s in range(2)]
+    pending = sorted(engine._publishing)  # after the last step(): still in flight
+    engine.wait_weights()
+    weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out["sdp4bit_overlap"] = dict(losses=losses, stats=engine.stats(), state=engine.full_state_dict(),
+                                  pending=pending, left=len(engine._publishing), weights=weights,
+                                  trainable=sorted(f.index for f in engine.flat_params if f.requires_grad))
 
     # An hpZ group size that does not divide the node size: a clear error on every rank.
     try:
@@ -251,3 +263,19 @@ def test_stage2_qwd_engine_on_two_nodes():
 def test_hpz_group_size_must_divide_node_size():
     for r in _runs():
         assert r["hpz3"] is not None and "hpz_group_size" in r["hpz3"]
+
+
+def test_stage2_overlap_publish_trains_the_same():
+    """overlap_publish: step() leaves every trainable unit's all-gather in flight, each
+    forward waits for its own, and the training is bit for bit the waiting one's."""
+    for r in _runs():
+        ovl, base = r["sdp4bit_overlap"], r["sdp4bit"]
+        assert ovl["pending"] == ovl["trainable"] and ovl["left"] == 0
+        assert ovl["losses"] == base["losses"] and ovl["stats"] == base["stats"]
+        for k, v in base["state"].items():
+            assert torch.equal(ovl["state"][k], v), k
+    # The replicas' weights agree after wait_weights() (every rank decoded the same bytes).
+    first = _runs()[0]["sdp4bit_overlap"]["weights"]
+    for r in _runs()[1:]:
+        for name, w in r["sdp4bit_overlap"]["weights"].items():
+            assert torch.equal(w, first[name]), name

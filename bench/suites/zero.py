@@ -22,6 +22,12 @@ and a micro-batch of one 32-token sequence per rank.
 under qcoll's rule) vs qcoll.ddp.quantized_allreduce_hook (int8 / int4, error feedback);
 the "speedup" column is then over DDP's default.
 
+--stage2: SDP4Bit's stage 2 (qcoll.zero with stage=2, qwd, int4 weights, grad_hadamard),
+step() waiting for the weights' all-gathers vs overlap_publish=True (each unit waits for
+its own in the next forward); the timed steps are also run again back to back and timed as
+one (the per-step timing's barriers and byte counts between steps would let in-flight
+all-gathers finish untimed), and "speedup" is that time's, over the waiting one.
+
 --link GBIT: the same inside the cluster suite's emulated cluster (_netns.py: one network
 namespace per node, tc tbf throttling each node's link to GBIT Gbit/s both ways), ZeRO-3 vs
 ZeRO++ and the FSDP2 pair only (all with the full run), with the bytes that actually left each node's veth,
@@ -50,12 +56,17 @@ CONFIGS = [
 PAIRS = ("ZeRO-3", "ZeRO++", "FSDP2", "FSDP2+qcoll")  # the rows of quick --link and tiny runs
 # --ddp: DistributedDataParallel instead, DDP's default all-reduce vs qcoll.ddp's hook.
 DDP_CONFIGS = [("DDP", dict(ddp="default")), ("DDP+qcoll", dict(ddp="qcoll"))]
+# --stage2: SDP4Bit's stage 2 (int4 qWD weights, Hadamard-smoothed qgZ), step() waiting for
+# the new weights vs leaving them in flight for the next forward (overlap_publish).
+SDP4BIT = dict(stage=2, qwd=True, weight_bits=4, grad_hadamard=True)
+STAGE2_CONFIGS = [("stage 2", SDP4BIT), ("stage 2 overlap", dict(SDP4BIT, overlap_publish=True))]
 PHASES = ("compute", "gather", "reduce_scatter", "optimizer")
 TARGET = 2.0  # a ZeRO-3 step with all three on >= 2x faster than with all off ...
 TARGET_GBIT = 1  # ... at 1 Gbit/s between nodes
 
 
-def config(quick: bool, link: bool = False, tiny: bool = False, dtype: str = "bf16", ddp: bool = False) -> dict:
+def config(quick: bool, link: bool = False, tiny: bool = False, dtype: str = "bf16", ddp: bool = False,
+           stage2: bool = False) -> dict:
     if tiny:  # the smoke test
         model, steps, warmup, batch, seq = dict(d_model=32, layers=1, heads=2, vocab=32), 3, 1, 2, 16
     elif quick:
@@ -66,13 +77,19 @@ def config(quick: bool, link: bool = False, tiny: bool = False, dtype: str = "bf
     configs = [c for c in CONFIGS if c[0] in PAIRS] if (link and quick) or tiny else CONFIGS
     if ddp:
         configs = DDP_CONFIGS
+    if stage2:
+        configs = STAGE2_CONFIGS
+    # --stage2: also the timed steps again back to back (the per-step timing's barriers and
+    # byte counts between steps would give the in-flight weights' all-gathers untimed time).
     return {"world": NODES * NODE_SIZE, "node_size": NODE_SIZE, "model": model, "steps": steps,
             "warmup": warmup, "batch": batch, "seq": seq, "lr": lr, "seed": 0, "configs": configs,
-            "dtype": dtype}
+            "dtype": dtype, "loop_steps": steps - warmup if stage2 else 0}
 
 
-def run(quick: bool, progress, link=None, tiny=False, dtype="bf16", ddp=False) -> dict:
-    cfg = config(quick, link is not None, tiny, dtype, ddp)
+def run(quick: bool, progress, link=None, tiny=False, dtype="bf16", ddp=False, stage2=False) -> dict:
+    if ddp and stage2:
+        raise SystemExit("zero suite: --ddp and --stage2 are different runs; pass one")
+    cfg = config(quick, link is not None, tiny, dtype, ddp, stage2)
     task = progress.add_task("zero", total=len(cfg["configs"]))
     extra = {}
     if link is None:
@@ -90,9 +107,11 @@ def run(quick: bool, progress, link=None, tiny=False, dtype="bf16", ddp=False) -
                 env=lambda r: {"GLOO_SOCKET_IFNAME": _netns.IFACE, "QCOLL_HOST_ID": f"node{r // NODE_SIZE}"},
                 progress=progress, task=task, timeout=1800, worker=WORKER)
     rows = out["rows"]
-    base = rows[0]  # ZeRO-3, or DDP with --ddp: the speedups are over it
+    base = rows[0]  # ZeRO-3; DDP with --ddp; stage 2 with --stage2: the speedups are over it
     for r in rows:
         r["speedup_vs_zero3"] = base["step_time_s"] / r["step_time_s"]
+        if "loop_step_time_s" in r:  # --stage2: the back-to-back time is the fair one
+            r["speedup_vs_zero3"] = base["loop_step_time_s"] / r["loop_step_time_s"]
         r["inter_bytes_vs_zero3"] = (r["inter_bytes_per_rank"] / base["inter_bytes_per_rank"]
                                      if base["inter_bytes_per_rank"] else None)
     result = {"world": cfg["world"], "node_size": NODE_SIZE, "backend": "gloo", "compute_dtype": dtype,
@@ -144,6 +163,12 @@ def table(result: dict) -> list:
                      f"{_mb(r['inter_bytes_per_rank']):>12} {_mb(r['intra_bytes_per_rank']):>13}"
                      + (f" {_mb(r['wire_bytes_per_node']):>10}" if wire else "") + f" {r['loss_final']:8.4f}"
                      + ("   " + " / ".join("-" if ph[k] is None else f"{1e3 * ph[k]:.0f}" for k in PHASES) if ph else ""))
+    for r in result["rows"]:
+        if "loop_step_time_s" in r:
+            lines.append(f"{r['config']}: {r['loop_steps']} steps back to back, "
+                         f"{r['loop_step_time_s'] * 1e3:.1f} ms per step (the speedup column's time; "
+                         "the per-step columns leave work in flight between steps untimed, and its "
+                         "bytes off the per-step wire count)")
     rows = {r["config"]: r for r in result["rows"]}
     if "FSDP2" in rows and "FSDP2+qcoll" in rows:
         d, q = rows["FSDP2"], rows["FSDP2+qcoll"]

@@ -44,6 +44,12 @@ class ZeroConfig:
         double after ``loss_scale_window`` good steps); a float: static.
     max_grad_norm: clip the global gradient norm (None: no clipping).
     prefetch: issue the next unit's all-gather while the current one computes.
+    overlap_publish: stage 2 only: step() returns once the new weights' all-gathers are
+        issued, and each unit waits for its own just before its next forward uses it, so
+        they overlap the step's return and the forward of the units before it. Until then
+        the module's parameters are being written: read them only after
+        ``engine.wait_weights()`` (the engine's own checkpoints and steps wait by
+        themselves). False (the default): step() returns with the weights in place.
     unit_modules: which modules are ZeRO-3 units (a unit is a module plus every parameter in
         its subtree not claimed by a smaller unit; the root holds the rest). None: each child
         of an nn.ModuleList / nn.Sequential that holds parameters (a transformer's blocks);
@@ -71,13 +77,14 @@ class ZeroConfig:
     stage: int = 3
     qwd: bool = False
     grad_hadamard: bool = False
+    overlap_publish: bool = False
 
     def __post_init__(self):
         if isinstance(self.stage, bool) or self.stage not in (2, 3):
             raise ValueError(f"stage must be 2 or 3, got {self.stage!r}")
         if self.hpz is None:  # hpZ keeps part of forward's gathered weights: stage 3 only
             object.__setattr__(self, "hpz", self.stage == 3)
-        for name in ("qwz", "hpz", "qgz", "prefetch", "qwd", "grad_hadamard"):
+        for name in ("qwz", "hpz", "qgz", "prefetch", "qwd", "grad_hadamard", "overlap_publish"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.compute_dtype not in _COMPUTE_DTYPES:
@@ -122,6 +129,9 @@ class ZeroConfig:
         elif self.qwd:
             raise ValueError("qwd=True needs stage=2: ZeRO-3 frees the gathered weights between steps, "
                              "so there is no last step's value to take the difference from")
+        elif self.overlap_publish:
+            raise ValueError("overlap_publish=True needs stage=2: ZeRO-3 publishes no weights after "
+                             "step() (each forward gathers them; prefetch overlaps that)")
         if self.qwd and not self.qwz:
             raise ValueError("qwd=True needs qwz=True: the weight difference is what gets quantized "
                              "(at weight_bits); with qwz=False the weights travel unquantized")

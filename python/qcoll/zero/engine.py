@@ -85,6 +85,7 @@ class ZeroEngine:
         self._backward_order: List[int] = []  # units in the order their backward started
         self._backward_next: Dict[int, int] = {}  # unit -> the unit whose backward comes next
         self._call = 0  # this forward's position in _forward_calls
+        self._publishing: Dict[int, object] = {}  # flat index -> its weights' all-gather Work
         self._register_hooks()
         if self.resident:
             self._publish_weights(self.flat_params, [f.compute_shard for f in self.flat_params])
@@ -131,16 +132,39 @@ class ZeroEngine:
             return
         unit.gather(phase, self.comm.gather_forward if phase == FORWARD else self.comm.gather_backward)
 
-    def _publish_weights(self, flats: List[FlatParam], sources: Optional[list] = None) -> None:
+    def _publish_weights(self, flats: List[FlatParam], sources: Optional[list] = None,
+                         wait: bool = True) -> None:
         """Stage 2: every rank's full buffers from the shards; sources: each flat's partition
         to gather exactly instead (at start and after a load, when the full buffers may not
-        agree across ranks yet)."""
+        agree across ranks yet). wait=False: leave the calls in flight (overlap_publish);
+        _wait_published waits for them."""
+        self.wait_weights()  # a call in flight reads and writes the same buffers
         sources = sources or [None] * len(flats)
-        works = [self.comm.publish_weights(flat, source) for flat, source in zip(flats, sources)]
-        for work in works:
-            self.comm.timed("gather", work.wait)
+        for flat, source in zip(flats, sources):
+            self._publishing[flat.index] = self.comm.publish_weights(flat, source)
+        if wait:
+            self.wait_weights()
+
+    def _forward_ordered(self, flats: List[FlatParam]) -> List[FlatParam]:
+        """flats in the order the recorded forward first uses their units (the calls
+        complete in issue order, so the first unit's weights arrive first), then the rest."""
+        unit_of = {f.index: u.index for u in self.units for f in u.flats}
+        first_use = {u: k for k, u in reversed(list(enumerate(self._forward_calls)))}
+        return sorted(flats, key=lambda f: first_use.get(unit_of[f.index], len(first_use)))
+
+    def _wait_published(self, flats: List[FlatParam]) -> None:
+        for flat in flats:
+            work = self._publishing.pop(flat.index, None)
+            if work is not None:
+                self.comm.timed("gather", work.wait)
+
+    def wait_weights(self) -> None:
+        """Stage 2 with overlap_publish: wait until the weights of the last step() are in
+        every parameter (the next forward waits per unit by itself). A no-op otherwise."""
+        self._wait_published([f for f in self.flat_params if f.index in self._publishing])
 
     def _wait(self, unit: Unit) -> Optional[str]:
+        self._wait_published(unit.flats)  # stage 2: this unit's weights of the last step
         return unit.wait(lambda fn: self.comm.timed("gather", fn))
 
     def _use_for_forward(self, unit: Unit) -> None:
@@ -261,13 +285,15 @@ class ZeroEngine:
     def step(self) -> bool:
         """Unscale, skip on overflow (fp16), clip, update the shards, refresh the compute
         copies. Returns False when the step was skipped."""
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), sum(self.comm.seconds.values())
         try:
             return self._step()
-        finally:
-            self.optimizer_seconds += time.perf_counter() - start
+        finally:  # the collectives it waits for are counted as theirs (timings()), not twice
+            waited = sum(self.comm.seconds.values()) - waited
+            self.optimizer_seconds += time.perf_counter() - start - waited
 
     def _step(self) -> bool:
+        self.wait_weights()  # the last step's all-gathers read the compute shards refreshed below
         self.comm.finish_reduces()
         grads = [f.master.grad for f in self.flat_params if f.master.grad is not None]
         if self.scaler.enabled:
@@ -286,7 +312,8 @@ class ZeroEngine:
         for flat in self.flat_params:
             flat.refresh_compute_shard()
         if self.resident:
-            self._publish_weights([f for f in self.flat_params if f.requires_grad])
+            self._publish_weights(self._forward_ordered([f for f in self.flat_params if f.requires_grad]),
+                                  wait=not self.config.overlap_publish)
         self.steps += 1
         return True
 
@@ -318,11 +345,13 @@ class ZeroEngine:
     def state_dict(self) -> dict:
         """This rank's part of a resumable checkpoint: fp32 master shards, optimizer state,
         loss-scaler state and step count (save it per rank with torch.save)."""
+        self.wait_weights()
         return checkpoint.engine_state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from this rank's state_dict() of an engine with the same model, world size,
         node size and config; any mismatch raises ValueError before anything changes."""
+        self.wait_weights()
         checkpoint.load_engine_state_dict(self, state)
         if self.resident:  # the weights as they were (with qWD they are not the masters' copy)
             self._publish_weights(self.flat_params, state["replica"])
@@ -330,6 +359,7 @@ class ZeroEngine:
     def load_full_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
         """Load a plain model state dict (full_state_dict(), or a single-process model's
         state_dict()) at any world size; the optimizer state is left as it is."""
+        self.wait_weights()
         checkpoint.load_full_state_dict(self, state)
         if self.resident:
             self._publish_weights(self.flat_params, [f.compute_shard for f in self.flat_params])
@@ -339,6 +369,7 @@ class ZeroEngine:
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every parameter (tied names included) in full fp32 and every persistent buffer, in
         state_dict() order, identical on all ranks."""
+        self.wait_weights()  # the persistent buffers are read below; the weights from the masters
         full = {}
         for flat in self.flat_params:
             gathered = torch.empty(flat.padded_numel, dtype=torch.float32, device=flat.master.device)
@@ -355,7 +386,8 @@ class ZeroEngine:
 
     def timings(self) -> dict:
         """Host seconds since the engine was built: issuing and waiting on all-gathers,
-        reduce-scatters, and step() (unscale, clip, optimizer, compute-copy refresh)."""
+        reduce-scatters, and step()'s own work (unscale, clip, optimizer, compute-copy refresh;
+        the collectives it waits for are counted as theirs)."""
         return dict(self.comm.seconds, optimizer=self.optimizer_seconds)
 
     @property
