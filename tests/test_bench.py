@@ -11,15 +11,22 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_kernels_quick_result_line():
-    proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "bench", "run.py"), "kernels", "--quick", "--device", "cpu",
-         "--sizes", "64K"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT)
+def _run(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _result(*args, timeout=120) -> dict:
+    """The run's RESULT line, parsed (the run must succeed)."""
+    proc = _run(*args, timeout=timeout)
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("RESULT "), last
-    result = json.loads(last[len("RESULT "):])
+    return json.loads(last[len("RESULT "):])
+
+
+def test_kernels_quick_result_line():
+    result = _result("kernels", "--quick", "--device", "cpu", "--sizes", "64K")
     assert result["suite"] == "kernels" and result["quick"] is True
     rows = result["rows"]
     assert {r["bytes"] for r in rows} == {64 << 10}
@@ -33,20 +40,14 @@ def test_kernels_quick_result_line():
 
 
 def test_sizes_option_is_refused_where_it_does_not_apply():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "group_size", "--sizes", "1M"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = _run("group_size", "--sizes", "1M", timeout=60)
     assert proc.returncode == 2 and "does not take --sizes" in proc.stderr
 
 
 def test_zero_tiny_result_line():
     """`bench/run.py zero --tiny`: a tiny GPT, ZeRO-3 vs ZeRO++ and FSDP2 vs FSDP2+qcoll, 3 steps on
     4 gloo ranks (~15 s)."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "zero", "--tiny"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("RESULT "), last
-    result = json.loads(last[len("RESULT "):])
+    result = _result("zero", "--tiny")
     assert result["suite"] == "zero" and result["world"] == 4 and result["node_size"] == 2
     rows = {r["config"]: r for r in result["rows"]}
     assert set(rows) == {"ZeRO-3", "ZeRO++", "FSDP2", "FSDP2+qcoll"}
@@ -62,17 +63,13 @@ def test_zero_tiny_result_line():
 
 
 def test_link_option_is_refused_where_it_does_not_apply():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "collectives", "--link", "1"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = _run("collectives", "--link", "1", timeout=60)
     assert proc.returncode == 2 and "does not take --link" in proc.stderr
 
 
 def test_zero_ddp_tiny_result_line():
     """`bench/run.py zero --ddp --tiny`: DDP's default all-reduce vs qcoll.ddp's hook."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "zero", "--ddp", "--tiny"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1][len("RESULT "):])
+    result = _result("zero", "--ddp", "--tiny")
     rows = {r["config"]: r for r in result["rows"]}
     assert set(rows) == {"DDP", "DDP+qcoll"}
     assert all(r["step_time_s"] > 0 and len(r["losses"]) == r["steps"] for r in rows.values())
@@ -82,10 +79,7 @@ def test_zero_ddp_tiny_result_line():
 def test_zero_stage2_tiny_result_line():
     """`bench/run.py zero --stage2 --tiny`: stage 2 waiting vs overlap_publish, the same
     losses, and the back-to-back time that the speedup is taken from."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "zero", "--stage2", "--tiny"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1][len("RESULT "):])
+    result = _result("zero", "--stage2", "--tiny")
     rows = {r["config"]: r for r in result["rows"]}
     assert set(rows) == {"stage 2", "stage 2 overlap"}
     wait, overlap = rows["stage 2"], rows["stage 2 overlap"]
@@ -97,11 +91,7 @@ def test_zero_stage2_tiny_result_line():
 def test_fidelity_tiny_result_line():
     """`bench/run.py fidelity --tiny`: the fp32 reference, ZeRO-3, ZeRO++ and SDP4Bit without
     Hadamard on the convergence test's model, 3 steps on 4 gloo ranks."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), "fidelity", "--tiny"],
-                          capture_output=True, text=True, timeout=180, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
-    last = proc.stdout.strip().splitlines()[-1]
-    result = json.loads(last[len("RESULT "):])
+    result = _result("fidelity", "--tiny", timeout=180)
     rows = {r["config"]: r for r in result["rows"]}
     assert set(rows) == {"fp32 reference", "ZeRO-3", "ZeRO++", "SDP4Bit, no Hadamard"}
     assert rows["fp32 reference"]["loss_gap_vs_reference"] == 0 and rows["fp32 reference"]["inter_bytes_per_rank"] == 0
