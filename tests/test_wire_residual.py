@@ -30,6 +30,8 @@ RESIDUAL_CASES = [
     (0, 0, 8, 1, 9001, 4096, 256),
     (8, 0, 4, 0, 9001, 4096, 0),
     (4, 1, ref.FP8, 1, 9001, 4096, 128),
+    (8, 0, 4, 0, 20011, 16384, 0),        # groups past a GPU team: the split path
+    (0, 0, 8, 1, 20000, 16384, 256),
 ]
 IDS = [f"{ib}h{ih}-{ob}h{oh}-{n}-{gs}-{h}" for ib, ih, ob, oh, n, gs, h in RESIDUAL_CASES]
 
