@@ -108,6 +108,13 @@ void reduce_chunks(const ReduceArgs& a) {
                     "be float32, float16 or bfloat16 (code 0-2), got code ",
                     static_cast<int>(a.out_dtype));
   }
+  QCOLL_ARG_CHECK(!a.residual || (a.out_wire && a.out_fmt.quantized()),
+                  "reduce: a residual (error feedback) needs a quantized out_wire, got ",
+                  a.out_wire ? "a raw out_wire" : "out_values");
+  QCOLL_ARG_CHECK(!a.residual || aligned4(a.residual), "reduce: residual pointer must be "
+                  "4-byte aligned");
+  QCOLL_ARG_CHECK(!a.residual || a.outputs <= 1 || a.residual_stride >= a.len,
+                  "reduce: residual_stride ", a.residual_stride, " is below len ", a.len);
   check_device(a.device);
   if (a.len == 0) return;
   check_chunks(a.input, a.source_stride, a.sources, a.in_fmt, a.len, "reduce input (sources)");

@@ -19,6 +19,9 @@ import reference as ref
 from conftest import generator, make_values
 from test_wire import (CODE, DTYPES, GARBAGE, OUTS, REDUCE_CASES, SIZES, TOPOLOGIES,
                        chunk_bytes, run_encode, run_reduce, make_sources, out_spec, wire_code)
+from test_wire_residual import IDS as RESIDUAL_IDS
+from test_wire_residual import LAYOUTS as RESIDUAL_LAYOUTS
+from test_wire_residual import RESIDUAL_CASES, make_case, run_reduce_residual
 
 # ---- the cases ------------------------------------------------------------------------------------
 MODES = [("nearest", None), ("stochastic", 0), ("stochastic", 2**64 - 1)]
@@ -107,6 +110,10 @@ REDUCE_SOURCES = _params(
 
 # (n, group size, sources, outputs): the split path, and many outputs.
 REDUCE_BIG = [(40000, 16384, 3, 2), (3 * 8192 + 8, 8200, 2, 1), (24, 8, 4, 4096)]
+
+# Error feedback in the fused reduce (test_wire_residual.py's cases: every code format out,
+# Hadamard domains, tails, the split path), residual and codes bit for bit.
+REDUCE_RESIDUAL = _params(RESIDUAL_CASES, [(i,) for i in RESIDUAL_IDS])
 
 
 # ---- backends -------------------------------------------------------------------------------------
@@ -315,6 +322,28 @@ def check_reduce_big(be: Backend, in_bits, out_name, cases=REDUCE_BIG):
         buf, cb = run_encode(x, n, 0, n, outputs * sources, 0, 1, in_bits, gs)
         out, _ = out_spec(out_name, dtype, n, gs, outputs, torch.float16)
         check_reduce(be, buf, in_bits, gs, dtype, n, sources, cb, outputs, sources * cb, 2.0, out)
+
+
+def check_reduce_residual(be: Backend, in_bits, in_h, out_bits, out_h, n, group_size, size):
+    """Chunks and updated residual == the CPU kernel's, for each layout; residual, sources
+    and chunks aligned, then 4 bytes past (the residual's scalar path)."""
+    h = dict(in_h=size if in_h else 0, out_h=size if out_h else 0)
+    for i, layout in enumerate(RESIDUAL_LAYOUTS):
+        sources, outputs, divisor, dtype, *_ = layout
+        buf, ss, os_, residual, rstride = make_case(
+            in_bits, n, group_size, layout, ("cuda-res", in_bits, out_bits, n, group_size, i))
+        want_res = residual.clone()
+        want, stride = run_reduce_residual(buf, in_bits, group_size, dtype, n, sources, ss,
+                                           outputs, os_, divisor, out_bits, want_res, rstride, **h)
+        for shift in (0, 4):
+            got_res = be.place(residual.clone(), shift)  # updated in place
+            dst = be.place(torch.full((outputs * stride,), GARBAGE, dtype=torch.uint8), shift)
+            run_reduce_residual(be.place(buf, shift), in_bits, group_size, dtype, n, sources, ss,
+                                outputs, os_, divisor, out_bits, got_res, rstride,
+                                device=be.device_args(), lib=be.lib, out_wire=dst, **h)
+            what = f"reduce residual in {in_bits} out {out_bits} layout {i} shift {shift} {h}"
+            be.same_bytes(dst, want, what)
+            be.same_values(got_res, want_res, what + " residual")
 
 
 def covers_both_ends(be: Backend, t: torch.Tensor, what: str):

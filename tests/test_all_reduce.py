@@ -207,6 +207,9 @@ def _ef_expected_total(world, numel, steps):
     ("all_reduce", 4, 2, dict(bits=8, inter_bits=4, hierarchical=False)),
     ("reduce_scatter", 4, 2, dict(intra_bits=4, inter_bits=4, hierarchical=False, group_size=8,
                                   pipeline_stages=3)),
+    # 2-hop: the inter-node re-encode's residual too
+    ("all_reduce", 4, 2, dict(bits=8, inter_bits=4, group_size=8, pipeline_stages=2)),
+    ("reduce_scatter", 6, 2, dict(intra_bits=8, inter_bits=4, group_size=8, pipeline_stages=3)),
 ])
 def test_error_feedback_residuals_telescope(collective, world, node_size, kw):
     steps, numel = 6, 2 * 999  # with 4 ranks: partitions of 999 (the all-reduce pads to 500)
@@ -218,14 +221,28 @@ def test_error_feedback_residuals_telescope(collective, world, node_size, kw):
     # What the last residuals still hold, as it would reach the result: the mean of the
     # ranks' input residuals (padding dropped), plus each owner's shard residual.
     held = torch.stack([r[1]["input"].double()[:numel] for r in results]).mean(0)
+    # 2-hop: rank (node m, local j)'s inter row k went into partition j + k * node_size,
+    # summed over the nodes and divided by the world (avg).
+    nodes = world // node_size
+    inter = torch.zeros(world * n, dtype=torch.float64)
+    for r, res in enumerate(results):
+        if "inter" in res[1]:
+            rows = res[1]["inter"].double().view(nodes, n)
+            for k in range(nodes):
+                p = r % node_size + k * node_size
+                inter[p * n:(p + 1) * n] += rows[k] / world
+    held += inter[:numel]
+    inter_bytes = 4 * nodes * n if "inter" in results[0][1] else 0
+    assert ("inter" in results[0][1]) == (kw.get("hierarchical", True) and nodes > 1)
     if collective == "all_reduce":
         held += torch.cat([r[1]["shard"].double() for r in results])[:numel]
         got = results[0][0]
         assert all(torch.equal(got, r[0]) for r in results)
-        assert results[0][2] == 4 * (world * n + n)  # nbytes: input + shard residuals
+        # nbytes: input + shard (+ inter) residuals
+        assert results[0][2] == 4 * (world * n + n) + inter_bytes
     else:
         got = torch.cat([r[0] for r in results])
-        assert results[0][2] == 4 * numel
+        assert results[0][2] == 4 * numel + inter_bytes
     scale = exact.abs().max().item()
     drift = (got + held - exact).abs().max().item()
     assert drift < 1e-5 * scale, f"residuals do not account for the error: {drift:.3g}"

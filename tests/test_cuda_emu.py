@@ -82,6 +82,11 @@ def test_emu_reduce(emu, in_bits, out_name, n, group_size):
     cases.check_reduce_case(emu, in_bits, out_name, n, group_size)
 
 
+@pytest.mark.parametrize("in_bits,in_h,out_bits,out_h,n,group_size,size", cases.REDUCE_RESIDUAL)
+def test_emu_reduce_residual(emu, in_bits, in_h, out_bits, out_h, n, group_size, size):
+    cases.check_reduce_residual(emu, in_bits, in_h, out_bits, out_h, n, group_size, size)
+
+
 @pytest.mark.parametrize("in_bits,out_name,sources", cases.REDUCE_SOURCES)
 def test_emu_reduce_one_to_eight_sources(emu, in_bits, out_name, sources):
     cases.check_reduce_sources(emu, in_bits, out_name, sources)

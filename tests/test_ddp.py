@@ -99,5 +99,6 @@ def test_quantized_hook_trains_within_1_percent_of_ddp_default():
           f"{runs[0]['qcoll']['ef_bytes']} bytes per rank")
     assert 0 < per_step["qcoll"] <= 0.3 * per_step["counted"]
     n_params = sum(p.numel() for p in runs[0]["qcoll"]["params"].values())
-    # error feedback: 4 bytes per gradient element (+ the shard), padding aside
-    assert 4 * n_params <= runs[0]["qcoll"]["ef_bytes"] <= 4 * n_params * 1.4
+    # error feedback: 4 bytes per gradient element (input), + 4 / node_size (the 2-hop's
+    # inter residual) + 4 / world (the shard), padding aside: 1.75x here
+    assert 4 * n_params * 1.5 <= runs[0]["qcoll"]["ef_bytes"] <= 4 * n_params * 1.75 * 1.1

@@ -48,6 +48,11 @@ def test_reduce_cuda_matches_cpu(in_bits, out_name, n, group_size):
     cases.check_reduce_case(GPU, in_bits, out_name, n, group_size)
 
 
+@pytest.mark.parametrize("in_bits,in_h,out_bits,out_h,n,group_size,size", cases.REDUCE_RESIDUAL)
+def test_reduce_cuda_residual(in_bits, in_h, out_bits, out_h, n, group_size, size):
+    cases.check_reduce_residual(GPU, in_bits, in_h, out_bits, out_h, n, group_size, size)
+
+
 @pytest.mark.parametrize("in_bits,out_name,sources", cases.REDUCE_SOURCES)
 def test_reduce_cuda_one_to_eight_sources(in_bits, out_name, sources):
     cases.check_reduce_sources(GPU, in_bits, out_name, sources)

@@ -12,6 +12,12 @@ struct CollectiveBuffers {
   BufferRef input;
   BufferRef output;
   BufferRef workspace;  // plan.workspace_bytes() bytes
+  // Reduce-scatter only, optional: the error-feedback residual (ReduceArgs::residual) of a
+  // 2-hop call's inter-node re-encode, when that hop is quantized: fp32, nodes x n, row k
+  // for the partial sum this rank re-encodes for node k (partition local rank + k *
+  // node_size), in the inter-node chunks' domain. Read and replaced by the call; kernels
+  // only (never a transport buffer). Ignored by other calls.
+  float* inter_residual = nullptr;
 };
 
 // output = the n elements of every member, member order; every rank's output is identical

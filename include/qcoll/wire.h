@@ -78,6 +78,15 @@ struct ReduceArgs {
   void* out_values = nullptr;
   DType out_dtype = DType::kFloat32;
   int64_t out_values_stride = 0;
+  // Error feedback of a quantized out_wire (null: none): fp32, output o's `len` values
+  // contiguous at residual + o * residual_stride (elements, >= len when outputs > 1), in
+  // the domain that is encoded (after the reduce's Hadamard transform, if any). The value
+  // encoded is v = sum + residual (math::add), and afterwards residual = v - decode(code)
+  // (math::sub; the decode a receiver makes). A group whose codes are all zero (every v
+  // is +-0, or the group is non-finite: NaN scale) gets residual 0, so no NaN outlives
+  // the step that made it. Only elements [0, len) of each output are read or written.
+  float* residual = nullptr;
+  int64_t residual_stride = 0;
   Device device;
 };
 
@@ -98,7 +107,8 @@ inline int32_t reduce_hadamard_size(const ReduceArgs& a) {
 //    quant_math.h) between decoding and re-encoding exactly when the input and output
 //    domains differ: raw -> Hadamard chunks forward, Hadamard chunks -> raw chunks or values
 //    inverse (the transform is its own inverse); equal domains are summed as they are.
-//  - out_wire does not overlap the input (not checked).
+//  - out_wire does not overlap the input (not checked); a residual needs a quantized
+//    out_wire, 4-byte alignment, and overlaps neither (not checked).
 // Sums start from source 0's decoded value, so one source reduces to exactly its decode.
 void encode_chunks(const EncodeArgs& args);
 void reduce_chunks(const ReduceArgs& args);

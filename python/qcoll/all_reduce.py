@@ -31,6 +31,7 @@ from .collectives import (
 from .error_feedback import (
     check_error_feedback,
     compensate_first_hop,
+    inter_residual,
     compensate_shard,
     keep_shard_residual,
 )
@@ -66,7 +67,8 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
        is bit-identical on every rank.
     bits=None sends the tensor's dtype (exact up to fp32 summation order for fp32).
     error_feedback: a qcoll.ErrorFeedback kept for this tensor (see qcoll.error_feedback):
-    the residuals of this rank's input encode and of its shard's all-gather encode.
+    the residuals of this rank's input encode, of its partial sums' inter-node re-encode
+    (2-hop) and of its shard's all-gather encode.
     Returns a Work with async_op=True (one for the whole call), else None.
     """
     size = _group_size(group)
@@ -100,6 +102,7 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
             residual_in = ef.residual("input", size * n, device)
         if gather_bits is not None:
             residual_shard = ef.residual("shard", n, device)
+    residual_inter = inter_residual(ef, rs_plan, g.num_nodes, n, device)
 
     padded = size * n != numel  # then the reduce-scatter input is a padded copy
     core_bytes = max(rs_plan.workspace_bytes, ag_plan.workspace_bytes)
@@ -120,7 +123,7 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
                                      rs_plan.slice)
             g._buffers.set(full, shard, workspace)
             reduce_scatter(comm, kind, index, stream, workspace, parts[0], sequence, full, shard,
-                           "none", lane_stream)
+                           "none", lane_stream, residual_inter)
             if residual_shard is not None:
                 wanted = compensate_shard(shard, residual_shard)
             g._buffers.set(shard, full, workspace)

@@ -20,7 +20,8 @@ from ._device import device_args
 from ._dtypes import BYTES_CODE, DTYPE_CODES, dtype_code
 from ._formats import RAW_CODE, format_code
 from .group import Group, resolve_group
-from .error_feedback import check_error_feedback, compensate_first_hop
+from .error_feedback import (check_error_feedback, compensate_first_hop, has_inter_encode,
+                             inter_residual)
 from .quantization import check_group_size, check_hadamard
 
 OPS = dict(_C.OPS)  # name -> the core's ReduceOp code
@@ -222,10 +223,12 @@ def _reduce_scatter_core(g: Group, n: int, code: int, op: str, intra_bits, inter
     op_code = OPS[op]
 
     def run(comm, kind, index, stream, workspace, traffic, sequence, input, output,
-            collective="reduce_scatter", lane_stream=0):
+            collective="reduce_scatter", lane_stream=0, residual=None):
+        # residual: error_feedback.inter_residual's, or None
         _C.reduce_scatter(plan, comm, intra_comm, inter_comm, code, op_code, input.data_ptr(),
                           output.data_ptr(), workspace.data_ptr(), kind, index, stream, traffic,
-                          sequence, lane_stream, collective)
+                          sequence, lane_stream, collective,
+                          0 if residual is None else residual.data_ptr())
 
     return plan, run, ((intra_comm, inter_comm) if plan.two_hop else ())
 
@@ -290,7 +293,9 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
 
     error_feedback: a qcoll.ErrorFeedback kept for this input: the residual of this rank's
     previous first-hop encode is added to the input before encoding (the input itself is
-    left unchanged) and the new residual is kept (see qcoll.error_feedback).
+    left unchanged) and the new residual is kept; on the 2-hop path with inter_bits
+    quantized, likewise for the partial sums this rank re-encodes across nodes (see
+    qcoll.error_feedback).
 
     hadamard=True (SDP4Bit's TLq-HS): the quantized hops carry the codes of Hadamard-smoothed
     values (blocks of hadamard_size, as qcoll.quantize), fused into the kernels: the sender
@@ -318,22 +323,24 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     plan, run, extra_comms = _reduce_scatter_core(g, n, code, op, intra_bits, inter_bits, group_size,
                                                   stages, hierarchical, input.device, hadamard_size)
     first = first_hop_bits(g, plan.two_hop, intra_bits, inter_bits)
-    ef = None
-    if error_feedback is not None and first is not None:
+    ef = residual = None
+    if error_feedback is not None and (first is not None or has_inter_encode(plan)):
         ef = error_feedback.bind("quantized_reduce_scatter", input, g.size)
-        residual = ef.residual("input", input.numel(), input.device)
-    workspace_bytes = plan.workspace_bytes + (0 if ef is None else input.numel() * input.element_size() + 16)
+        if first is not None:
+            residual = ef.residual("input", input.numel(), input.device)
+    inter = inter_residual(ef, plan, g.num_nodes, n, input.device)
+    workspace_bytes = plan.workspace_bytes + (0 if residual is None else input.numel() * input.element_size() + 16)
 
     def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
         source = input
-        if ef is not None:  # the compensated input goes into the workspace, past the plan's
+        if residual is not None:  # the compensated input goes into the workspace, past the plan's
             source, _ = _carve(workspace, plan.workspace_bytes, input.numel(), input.dtype)
             source.copy_(input.reshape(-1))
             compensate_first_hop(source, residual, first, group_size, g.size, n, plan.stages,
                                  plan.slice, hadamard_size)
             g._buffers.set(source, output, workspace)
         run(comm, kind, index, stream, workspace, traffic, sequence, source, output,
-            lane_stream=lane_stream)
+            lane_stream=lane_stream, residual=inter)
 
     return _run("quantized_reduce_scatter", g, input, output, workspace_bytes, launch, async_op,
                 extra_comms=extra_comms)

@@ -11,10 +11,12 @@ qcoll are made by one rank from a value only it holds:
   "shard"  an all-reduce's all-gather: the reduced shard this rank owns, re-encoded at
            `inter_bits or bits`. Every rank decodes those bytes, the owner included, so the
            owner's residual is exact. numel / group size elements.
-
-The inter-node re-encode of a node's partial sums inside the 2-hop reduce-scatter is not
-compensated: it happens inside the core's fused dequantize-reduce-quantize kernel and its
-residual would need that kernel to write one more output (see the README).
+  "inter"  the 2-hop reduce-scatter's inter-node re-encode (also an all-reduce's
+           reduce-scatter half), when that hop is quantized: the partial sums over its node
+           that this rank re-encodes for each node, one per node (num_nodes x shard numel
+           = numel / node_size elements). The core's fused dequantize-reduce-quantize
+           kernel adds it and keeps the new one itself (ReduceArgs::residual, wire.h), in
+           the inter-node chunks' domain (Hadamard-transformed with hadamard=True).
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ class ErrorFeedback:
 
     Memory: fp32 residuals allocated on the first call, on the tensor's device: 4 bytes per
     element of the input ("input"), plus 4 bytes per element of this rank's shard for an
-    all-reduce ("shard": numel / group size). ``nbytes`` reports it; ``reset()`` frees it.
+    all-reduce ("shard": numel / group size), plus, when the call runs two hops with a
+    quantized inter-node format, 4 bytes per element of numel / node_size ("inter": the
+    partial sums re-encoded across nodes). E.g. a 2-hop all-reduce on nodes of 8 ranks
+    keeps 4 + 4 / world + 0.5 bytes per element of the tensor. ``nbytes`` reports it; ``reset()`` frees it.
     The state binds to the first call's collective, numel, dtype, device and group size; a
     call that differs raises ValueError (use one state per tensor or bucket). With
     async_op=True the state is updated when the call runs: do not pass it to another call
@@ -70,6 +75,23 @@ class ErrorFeedback:
     def __repr__(self) -> str:
         bound = "unbound" if self._binding is None else _describe(self._binding)
         return f"ErrorFeedback({bound}, {self.nbytes} bytes)"
+
+
+def has_inter_encode(plan) -> bool:
+    """Whether a reduce-scatter plan re-encodes partial sums across nodes (two hops, the
+    second quantized): the encode the "inter" residual compensates."""
+    from ._formats import RAW_CODE
+
+    return bool(plan.two_hop) and plan.second_format != RAW_CODE
+
+
+def inter_residual(ef: Optional[ErrorFeedback], plan, num_nodes: int, n: int,
+                   device: torch.device) -> Optional[torch.Tensor]:
+    """The "inter" residual of a reduce-scatter plan with n output elements per rank (rows of
+    n, one per node: include/qcoll/collectives.h), or None without ef or that encode."""
+    if ef is None or not has_inter_encode(plan):
+        return None
+    return ef.residual("inter", num_nodes * n, device)
 
 
 def _describe(binding: tuple) -> str:

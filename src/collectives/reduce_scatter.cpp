@@ -125,6 +125,10 @@ void intra_hop(const Call& c, int32_t s, Communicator& intra, Communicator& inte
   r.out_wire = send2 + p.header;
   r.out_fmt = p.second;
   r.out_chunk_stride = p.second_chunk(s);
+  if (c.b.inter_residual && p.second.quantized()) {  // stage s: columns of every row
+    r.residual = c.b.inter_residual + p.slice_begin(s);
+    r.residual_stride = p.n;
+  }
   r.device = device;
   reduce_chunks(r);
   stamp(c, s, Exchange::kInterHop, p.second, send2, p.second_chunk(s), p.nodes, inter.rank(),

@@ -70,12 +70,30 @@ QCOLL_INLINE void decode_add(const uint8_t* in, int64_t m, float scale, float* a
   if (m & 1) acc[m - 1] = math::add(acc[m - 1], value(in[pairs]));
 }
 
+// Error feedback (ReduceArgs::residual): after group g's codes of elements [c, c + k) were
+// written, residual[c, c + k) = x - decode(codes) (zero when the codes are all zero).
+// tmp: k floats of scratch.
+QCOLL_INLINE void keep_residual(const float* x, int64_t k, const math::GroupParams& q,
+                                CodeFormat format, const uint8_t* codes, float* residual,
+                                float* tmp) {
+  if (math::codes_are_zero(q)) {
+    std::fill(residual, residual + k, 0.0f);
+    return;
+  }
+  decode_chunk(codes, k, q, format, /*sym=*/true, tmp);
+  for (int64_t i = 0; i < k; ++i) residual[i] = math::sub(x[i], tmp[i]);
+}
+
 // Quantizes group g of a chunk of `len` elements whose fp32 values `fill` produces
 // piecewise: fill(e, k, buf) returns k values starting at element e of the chunk (buf, or
 // the source itself). Writes the group's scale and codes (the encoder of quant_loops.h).
+// With a residual (the chunk's, element 0; fill adds it, see ResidualFill) the group's
+// residual is replaced by what its codes lose; tmp: kBlock floats of scratch, free while
+// codes are written.
 template <typename Fill>
 QCOLL_INLINE void encode_chunk_group(uint8_t* chunk, const WireFormat& fmt, int64_t len,
-                                     int64_t g, float* buf, const Fill& fill) {
+                                     int64_t g, float* buf, const Fill& fill,
+                                     float* residual = nullptr, float* tmp = nullptr) {
   const int64_t begin = g * fmt.group_size;
   const int64_t m = std::min(fmt.group_size, len - begin);
   uint8_t* codes = chunk + code_bytes(begin, fmt.format);
@@ -84,8 +102,10 @@ QCOLL_INLINE void encode_chunk_group(uint8_t* chunk, const WireFormat& fmt, int6
       [&](int64_t c, int64_t k) __attribute__((always_inline)) { return fill(begin + c, k, buf); },
       [&](const float* x, int64_t c, int64_t k,
           const math::GroupParams& q) __attribute__((always_inline)) {
-        code_piece(x, k, q, fmt.format, /*symmetric=*/true, /*stochastic=*/false, 0, 0,
-                   codes + code_bytes(c, fmt.format));
+        uint8_t* out = codes + code_bytes(c, fmt.format);
+        code_piece(x, k, q, fmt.format, /*symmetric=*/true, /*stochastic=*/false, 0, 0, out);
+        // Pass 1 read every piece's old residual before pass 2 replaces any.
+        if (residual) keep_residual(x, k, q, fmt.format, out, residual + begin + c, tmp);
       });
   store_scale(chunk, fmt, len, g, p.scale);
 }
@@ -113,6 +133,19 @@ struct HadamardFill {
   }
 };
 static_assert(kBlock % kMaxHadamardSize == 0, "blocks hold whole Hadamard blocks");
+
+// `fill`, plus the error-feedback residual of the same elements (in the encoded domain,
+// so after the Hadamard transform of an inner HadamardFill); the result is in buf.
+template <typename Fill>
+struct ResidualFill {
+  Fill fill;
+  const float* residual;  // the chunk's element 0
+  QCOLL_INLINE const float* operator()(int64_t e, int64_t k, float* buf) const {
+    const float* x = fill(e, k, buf);
+    for (int64_t i = 0; i < k; ++i) buf[i] = math::add(x[i], residual[e + i]);
+    return buf;
+  }
+};
 
 // Units of work: `per_item` groups or blocks of each of `items` chunks.
 struct Plan {
@@ -225,7 +258,11 @@ QCOLL_INLINE void reduce_unit(const ReduceArgs& a, const Plan& pl, int64_t u, fl
     return;
   }
   uint8_t* chunk = a.out_wire + o * a.out_chunk_stride;
-  if (a.out_fmt.quantized())
+  if (a.residual) {  // quantized (wire.cpp checks); tmp is free once the sum is in buf
+    float* residual = a.residual + o * a.residual_stride;
+    encode_chunk_group(chunk, a.out_fmt, a.len, g, buf,
+                       ResidualFill<decltype(fill)>{fill, residual}, residual, tmp);
+  } else if (a.out_fmt.quantized())
     encode_chunk_group(chunk, a.out_fmt, a.len, g, buf, fill);
   else
     encode_block_raw(chunk, a.out_fmt, a.len, g, buf, fill);

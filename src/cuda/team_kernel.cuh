@@ -19,7 +19,11 @@
 // A sink is a CodeRuns (the layout) with
 //   symmetric(), stochastic(), key(), index(item, e): how codes are rounded;
 //   finish(item): after a run's last group (fused pass), e.g. zero its padding;
-//   prepare(stream) (host): zero the parameter slots before a stats pass.
+//   prepare(stream) (host): zero the parameter slots before a stats pass;
+//   kResidual (CodeRuns: false): error feedback, with add_residual(item, e, count, p) after
+//     the Hadamard transform (every pass: stats and codes see the same values) and
+//     keep_residual<F>(item, e, count, p, codes, params) after a packet's codes (fused and
+//     code passes). Sinks without it compile exactly as before.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -50,6 +54,7 @@ struct CodeRuns {
   int lanes;                 // fused path: threads per team, a power of two dividing kThreads
   int hadamard;  // block size of the transform between the source and the codes (0: none)
   bool vec;      // every run's codes aligned to a packet's code bytes
+  static constexpr bool kResidual = false;
 
   __device__ __forceinline__ uint8_t* run_codes(int64_t item) const { return codes + item * stride; }
   __device__ __forceinline__ float* at(float* base, int64_t item, int64_t g) const {
@@ -172,6 +177,13 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
         whole[j] = e0 + j * step < unit.end && in_whole_block(e0 + j * step, sink.len, sink.hadamard);
       hadamard_packets(cache, whole, lane, lanes, sink.hadamard);
     }
+    if constexpr (Sink::kResidual) {
+#pragma unroll
+      for (int j = 0; j < kPacketsPerLane; ++j)
+        if (e0 + j * step < unit.end)
+          sink.add_residual(unit.item, e0 + j * step, packet_count(unit.end - e0 - j * step),
+                            cache[j]);
+    }
 
     GroupStats s = math::stats_identity();
     if constexpr (P != Pass::kCode) {
@@ -199,6 +211,9 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
                                                  sink.stochastic(), sink.key(),
                                                  sink.index(unit.item, e));
           store_codes<Bits>(codes + e * Bits / 8, packet, packet_count(unit.end - e), sink.vec);
+          if constexpr (Sink::kResidual)
+            sink.template keep_residual<F>(unit.item, e, packet_count(unit.end - e), cache[j],
+                                           packet, params);
         }
       }
       // After the codes, when the packets' registers are free.

@@ -229,6 +229,60 @@ void ChunkSink::prepare(cudaStream_t stream) const {
                          *this);
 }
 
+// Error feedback of a quantized output (ReduceArgs::residual): run `item`'s residual at
+// residual + item * residual_stride. The team kernel adds it to the values (after the
+// Hadamard transform) and replaces it by value - decode(codes) once the codes are made.
+struct ResidualChunkSink : ChunkSink {
+  static constexpr bool kResidual = true;
+  float* residual;
+  int64_t residual_stride;  // elements
+  bool residual_vec;        // every run's residual 16-byte aligned
+
+  __device__ __forceinline__ float* residual_at(int64_t item, int64_t e) const {
+    return residual + item * residual_stride + e;
+  }
+
+  __device__ __forceinline__ void add_residual(int64_t item, int64_t e, int count,
+                                               Packet& p) const {
+    const float* r = residual_at(item, e);
+    Packet q;
+    if (residual_vec && count == kPacket) {
+      *reinterpret_cast<float4*>(q.x) = reinterpret_cast<const float4*>(r)[0];
+      *reinterpret_cast<float4*>(q.x + 4) = reinterpret_cast<const float4*>(r)[1];
+    } else {
+#pragma unroll
+      for (int k = 0; k < kPacket; ++k) q.x[k] = k < count ? r[k] : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < kPacket; ++k) p.x[k] = math::add(p.x[k], q.x[k]);
+    pad_tail(p, count);  // missing elements repeat element 0 again (statistics unchanged)
+  }
+
+  template <CodeFormat F>
+  __device__ __forceinline__ void keep_residual(int64_t item, int64_t e, int count,
+                                                const Packet& p, uint64_t codes,
+                                                const GroupParams& params) const {
+    Packet q;
+    if (math::codes_are_zero(params)) {  // +-0 values or a non-finite group: nothing kept
+#pragma unroll
+      for (int k = 0; k < kPacket; ++k) q.x[k] = 0.0f;
+    } else {
+      const Packet d = decode_packet<F>(codes, params, /*symmetric=*/true);
+#pragma unroll
+      for (int k = 0; k < kPacket; ++k) q.x[k] = math::sub(p.x[k], d.x[k]);
+    }
+    float* r = residual_at(item, e);
+    if (residual_vec && count == kPacket) {
+      reinterpret_cast<float4*>(r)[0] = *reinterpret_cast<const float4*>(q.x);
+      reinterpret_cast<float4*>(r)[1] = *reinterpret_cast<const float4*>(q.x + 4);
+      return;
+    }
+#pragma unroll
+    for (int k = 0; k < kPacket; ++k)
+      if (k < count) r[k] = q.x[k];
+  }
+};
+
 // ---- raw outputs ------------------------------------------------------------------------------
 // Raw encode in the input's own dtype: the bits are copied (NaN payloads included).
 template <typename E>
@@ -331,6 +385,15 @@ void reduce_chunks(const ReduceArgs& a) {
     }
     ChunkSink c = chunk_sink(a.out_wire, a.out_chunk_stride, a.outputs, a.out_fmt, a.len);
     c.hadamard = hadamard;
+    if (a.residual) {
+      ResidualChunkSink rc{c};
+      rc.residual = a.residual;
+      rc.residual_stride = a.residual_stride;
+      rc.residual_vec = runs_aligned(a.residual, a.residual_stride * 4, a.outputs, 16);
+      with_format(a.out_fmt.format,
+                  [&](auto f) { launch_team<decltype(f)::value, Src>(src, rc, stream); });
+      return;
+    }
     with_format(a.out_fmt.format, [&](auto f) { launch_team<decltype(f)::value, Src>(src, c, stream); });
   };
 

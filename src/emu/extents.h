@@ -63,6 +63,9 @@ inline std::vector<Buffer> extents(const ReduceArgs& a) {
                        runs_extent(a.outputs, a.out_values_stride * esize(a.out_dtype),
                                    a.len * esize(a.out_dtype)),
                        "out_values"));
+  if (a.residual)
+    b.push_back(buffer(a.residual, runs_extent(a.outputs, a.residual_stride * 4, a.len * 4),
+                       "residual"));
   return b;
 }
 

@@ -194,11 +194,13 @@ void bind_collectives(py::module_& m) {
          Communicator* inter, int dtype, int op, uintptr_t input, uintptr_t output,
          uintptr_t workspace, int device_kind, int device_index, uintptr_t stream,
          qcoll::Traffic& traffic, uint32_t sequence, uintptr_t lane_stream,
-         const std::string& collective) {
+         const std::string& collective, uintptr_t inter_residual) {
         Counted counted{traffic, counter(collective)};
         qcoll::Device dev = device(device_kind, device_index, stream);
         dev.lane_stream = ptr(lane_stream);  // the group's second stream (pipelined 2-hop)
-        qcoll::reduce_scatter(plan, collective_buffers(input, output, workspace),
+        qcoll::CollectiveBuffers buffers = collective_buffers(input, output, workspace);
+        buffers.inter_residual = static_cast<float*>(ptr(inter_residual));
+        qcoll::reduce_scatter(plan, buffers,
                               static_cast<qcoll::DType>(dtype), static_cast<qcoll::ReduceOp>(op),
                               world, intra, inter, dev, traffic, sequence);
       },
@@ -206,7 +208,8 @@ void bind_collectives(py::module_& m) {
       py::arg("intra").none(true), py::arg("inter").none(true), py::arg("dtype"), py::arg("op"),
       py::arg("input"), py::arg("output"), py::arg("workspace"), py::arg("device_kind"),
       py::arg("device_index"), py::arg("stream"), py::arg("traffic"), py::arg("sequence"),
-      py::arg("lane_stream") = 0, py::arg("collective") = "reduce_scatter");
+      py::arg("lane_stream") = 0, py::arg("collective") = "reduce_scatter",
+      py::arg("inter_residual") = 0);
   m.def("stats", []() {
     py::dict d;
     d["allgather"] = traffic_dict(qcoll::allgather_traffic());

@@ -142,7 +142,8 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
           int sources, int64_t source_stride, int outputs, int64_t output_in_stride,
           float divisor, uintptr_t out_wire, int out_format, int64_t out_chunk_stride,
           uintptr_t out_values, int out_dtype, int64_t out_values_stride, int device_kind,
-          int device_index, uintptr_t stream, int in_hadamard, int out_hadamard) {
+          int device_index, uintptr_t stream, int in_hadamard, int out_hadamard,
+          uintptr_t residual, int64_t residual_stride) {
         ReduceArgs a;
         a.input = static_cast<const uint8_t*>(ptr(input));
         a.in_fmt = wire_format(in_format, group_size, raw_dtype, in_hadamard);
@@ -158,6 +159,8 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
         a.out_values = ptr(out_values);
         a.out_dtype = static_cast<DType>(out_dtype);
         a.out_values_stride = out_values_stride;
+        a.residual = static_cast<float*>(ptr(residual));
+        a.residual_stride = residual_stride;
         a.device = device(device_kind, device_index, stream);
         MaybeReleaseGil g(release_gil);
         run(a, [](const ReduceArgs& x) { reduce_chunks(x); });
@@ -167,7 +170,8 @@ void bind_kernels(py::module_& m, Run run, bool release_gil) {
       py::arg("output_in_stride"), py::arg("divisor"), py::arg("out_wire"), py::arg("out_format"),
       py::arg("out_chunk_stride"), py::arg("out_values"), py::arg("out_dtype"),
       py::arg("out_values_stride"), py::arg("device_kind"), py::arg("device_index"),
-      py::arg("stream"), py::arg("in_hadamard") = 0, py::arg("out_hadamard") = 0);
+      py::arg("stream"), py::arg("in_hadamard") = 0, py::arg("out_hadamard") = 0,
+      py::arg("residual") = 0, py::arg("residual_stride") = 0);
 }
 
 }  // namespace binding
