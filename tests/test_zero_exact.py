@@ -45,12 +45,16 @@ SCENARIOS = {
     # each step (here unquantized: exact).
     "stage2_adamw_units": ({"stage": 2, "unit_modules": "square_linear_or_norm"}, "adamw", 1, None),
     "stage2_sgd_accumulate_clip": ({"stage": 2}, "sgd", 2, 0.5),
+    # step() leaves the weights' all-gathers in flight; each unit's forward waits for its own.
+    "stage2_overlap_units": ({"stage": 2, "unit_modules": "square_linear_or_norm", "overlap_publish": True},
+                             "adamw", 1, None),
 }
 STAGE2 = tuple(name for name in SCENARIOS if name.startswith("stage2"))
 # Six ranks on two cores are slow: there, the scenarios the other worlds do not already
 # cover in a 3-node layout.
 WORLD_SCENARIOS = {1: tuple(SCENARIOS), 2: tuple(SCENARIOS), 4: tuple(SCENARIOS),
-                   6: ("sgd_accumulate", "adamw_hpz", "adamw_clip", "stage2_adamw_units")}
+                   6: ("sgd_accumulate", "adamw_hpz", "adamw_clip", "stage2_adamw_units",
+                       "stage2_overlap_units")}
 
 
 def square_linear_or_norm(module) -> bool:

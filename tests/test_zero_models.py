@@ -8,6 +8,8 @@ parameters next to trainable ones).
   same model on the same global batch, and the weights after the last step too; world 2 (one
   node) and 4 (2 nodes x 2).
 - all on (qwZ + hpZ + qgZ), bf16, 4 ranks as 2 x 2: fits a batch as well as fp32 does (AdamW).
+- stage 2 with overlap_publish, all off, fp32, 4 ranks as 2 x 2: the same exactness (every
+  forward waits for its units' weights of the last step).
 - from the second step on (the first records the order), each unit is gathered once in
   forward and once in backward and reduce-scattered once per step.
 """
@@ -32,6 +34,7 @@ EXACT_STEPS, TRAIN_STEPS = 3, 15
 LR = 3e-2
 PER_RANK = 4
 ZEROPP_BF16 = dict(qwz=True, hpz=True, qgz=True, compute_dtype=torch.bfloat16)
+STAGE2_OVERLAP_FP32 = dict(ALL_OFF_FP32, stage=2, overlap_publish=True)
 ODDNET = "oddnet_linear_units"
 UNITS = {"torch_encoder": 3, "torch_seq2seq": 4, "hf_gpt2": 3, "hf_llama": 3}
 WORLD_NODE = {2: 2, 4: 2}
@@ -92,13 +95,14 @@ def _worker(rank, world, node_size, names, zeropp):
     group = qcoll.new_group(node_size=node_size)
     out = {}
     for name in names:
-        runs = {"exact": (ALL_OFF_FP32, EXACT_STEPS)}
+        runs = {"exact": (ALL_OFF_FP32, EXACT_STEPS, "exact")}
         if zeropp:
-            runs["zeropp"] = (ZEROPP_BF16, TRAIN_STEPS)
-        for kind, (kwargs, steps) in runs.items():
-            engine = ZeroEngine(_build(name), functools.partial(_optimizer, kind), group,
+            runs["zeropp"] = (ZEROPP_BF16, TRAIN_STEPS, "zeropp")
+            runs["stage2_overlap"] = (STAGE2_OVERLAP_FP32, EXACT_STEPS, "exact")
+        for kind, (kwargs, steps, opt) in runs.items():
+            engine = ZeroEngine(_build(name), functools.partial(_optimizer, opt), group,
                                 config=ZeroConfig(**kwargs, unit_modules=_unit_rule(name)))
-            losses, per_step = _train(engine, name, kind, steps, rank, world)
+            losses, per_step = _train(engine, name, opt, steps, rank, world)
             out[(name, kind)] = dict(losses=losses, per_step=per_step, state=engine.full_state_dict(),
                                      units=[u.name for u in engine.units], flats=len(engine.flat_params),
                                      trainable=sum(f.requires_grad for f in engine.flat_params))
@@ -133,6 +137,20 @@ def test_all_off_fp32_matches_single_process(name, world):
         for key, want in ref_state.items():
             torch.testing.assert_close(r["state"][key].float(), want, rtol=1e-4, atol=1e-5,
                                        msg=lambda m: f"{name} {key}: {m}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_stage2_overlap_publish_matches_single_process(name):
+    ref_losses, ref_state = _reference(name, 4, "exact", EXACT_STEPS)
+    for rank, result in enumerate(_runs(4)):
+        r = result[(name, "stage2_overlap")]
+        for step, (got, want) in enumerate(zip(r["losses"], ref_losses)):
+            assert got == pytest.approx(want, rel=1e-4), f"rank {rank} step {step}: {got} vs {want}"
+        for key, want in ref_state.items():
+            torch.testing.assert_close(r["state"][key].float(), want, rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{name} {key}: {m}")
+        assert all(calls["forward_allgather"] == r["trainable"] and calls["backward_allgather"] == 0
+                   for calls in r["per_step"]), r["per_step"]  # one publish per trainable buffer
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from ._formats import RAW_CODE
+
 
 class ErrorFeedback:
     """Error-feedback state for ONE tensor or bucket, kept by the caller across steps and
@@ -80,8 +82,6 @@ class ErrorFeedback:
 def has_inter_encode(plan) -> bool:
     """Whether a reduce-scatter plan re-encodes partial sums across nodes (two hops, the
     second quantized): the encode the "inter" residual compensates."""
-    from ._formats import RAW_CODE
-
     return bool(plan.two_hop) and plan.second_format != RAW_CODE
 
 

@@ -137,8 +137,7 @@ class ZeroEngine:
         """Stage 2: every rank's full buffers from the shards; sources: each flat's partition
         to gather exactly instead (at start and after a load, when the full buffers may not
         agree across ranks yet). wait=False: leave the calls in flight (overlap_publish);
-        _wait_published waits for them."""
-        self.wait_weights()  # a call in flight reads and writes the same buffers
+        _wait_published waits for them. Callers have waited for the last step's calls."""
         sources = sources or [None] * len(flats)
         for flat, source in zip(flats, sources):
             self._publishing[flat.index] = self.comm.publish_weights(flat, source)
@@ -161,7 +160,7 @@ class ZeroEngine:
     def wait_weights(self) -> None:
         """Stage 2 with overlap_publish: wait until the weights of the last step() are in
         every parameter (the next forward waits per unit by itself). A no-op otherwise."""
-        self._wait_published([f for f in self.flat_params if f.index in self._publishing])
+        self._wait_published(self.flat_params)
 
     def _wait(self, unit: Unit) -> Optional[str]:
         self._wait_published(unit.flats)  # stage 2: this unit's weights of the last step
@@ -369,7 +368,6 @@ class ZeroEngine:
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Every parameter (tied names included) in full fp32 and every persistent buffer, in
         state_dict() order, identical on all ranks."""
-        self.wait_weights()  # the persistent buffers are read below; the weights from the masters
         full = {}
         for flat in self.flat_params:
             gathered = torch.empty(flat.padded_numel, dtype=torch.float32, device=flat.master.device)
