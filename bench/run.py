@@ -15,6 +15,9 @@ Suites:
                without overlap_publish
   error_feedback  int4 gradients with and without qcoll.ErrorFeedback (DDP, convergence
                test's GPT)
+  gate         the speed regression gate CI runs: each kernel's ratio to copy and each
+               collective's ratio to torch's same call, against the floors in bench/gate.json
+               (exit 1 when a ratio stays below 0.75 of its floor); --update rewrites the floors
   fidelity     issue 12's bar: final loss vs an fp32 reference and cross-node bytes of
                ZeRO-3, ZeRO++ (+ Hadamard) and SDP4Bit (stage 2, qWD) on the convergence
                test's language model
@@ -40,7 +43,7 @@ import torch  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 import qcoll  # noqa: E402
-from suites import cluster, collectives, error_feedback, fidelity, group_size, kernels, zero  # noqa: E402
+from suites import cluster, collectives, error_feedback, fidelity, gate, group_size, kernels, zero  # noqa: E402
 from timing import parse_sizes  # noqa: E402
 
 # Each suite module provides run(quick, progress, **options) -> dict, table(result) -> lines,
@@ -53,6 +56,7 @@ SUITES = {
     "zero": zero,
     "error_feedback": error_feedback,
     "fidelity": fidelity,
+    "gate": gate,
 }
 OPTIONS = {  # suite -> the options of this command line it understands
     "kernels": {"sizes", "device"},
@@ -62,6 +66,7 @@ OPTIONS = {  # suite -> the options of this command line it understands
     "zero": {"link", "tiny", "dtype", "ddp", "stage2"},
     "error_feedback": set(),
     "fidelity": {"tiny"},
+    "gate": {"update", "slow", "gate_parts"},
 }
 
 
@@ -119,12 +124,18 @@ def main() -> None:
                              "ZeroConfig(overlap_publish=True)")
     # Hidden: the zero / fidelity suite on a tiny model or few rows, 3 steps (the smoke tests).
     parser.add_argument("--tiny", action="store_true", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--update", action="store_true", default=None,
+                        help="gate: measure and write the floors (bench/gate.json) instead of checking")
+    parser.add_argument("--gate-parts", default=None, metavar="PARTS",
+                        help="gate: kernels,collectives (default both)")
+    # Hidden: the gate's own test slows qcoll.NAME down on purpose.
+    parser.add_argument("--slow", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.link is not None and args.link == int(args.link):
         args.link = int(args.link)
 
     options = {k: getattr(args, k) for k in ("sizes", "device", "link", "tiny", "pipeline_only", "overlap_only",
-                                             "all_reduce_only", "dtype", "ddp", "stage2")
+                                             "all_reduce_only", "dtype", "ddp", "stage2", "update", "slow", "gate_parts")
                if getattr(args, k) is not None}
     unknown = set(options) - OPTIONS[args.suite]
     if unknown:
@@ -155,6 +166,8 @@ def main() -> None:
     if args.plot:
         suite.plot(record, args.plot)
     print("RESULT " + json.dumps(record), flush=True)
+    if result.get("failed"):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,182 @@
+"""`gate` suite: the speed regression gate that CI runs after the tests.
+
+One run measures ratios that do not depend on how fast the machine is:
+  kernel cells      each kernel of the kernels suite, as a fraction of a copy timed
+                    alternately with it (bytes read + written over time), at KERNEL_BYTES
+  collective cells  torch's time / qcoll's time for the same call on 4 gloo ranks as
+                    2 nodes x 2 (the collectives suite's worker), per collective and size,
+                    for the uncompressed path (bits=None) and the quantized default
+Every ratio is "higher is better". Each is compared with its floor in bench/gate.json: a
+ratio below TOLERANCE x floor is measured once more, and the gate fails when it is still
+below. Floors are written by the same command with --update, from a quiet run; a change
+that makes a cell slower on purpose updates its floor in the same commit and says why.
+A floor whose cell is no longer measured fails the gate too (a renamed or dropped kernel
+must not silently leave the gate); a measured cell without a floor is reported as new.
+
+--slow NAME (hidden, for the gate's own test): qcoll.NAME (quantize, dequantize) does its
+work four times per call while measured: a deliberately slowed kernel the gate must catch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+import qcoll
+from timing import human_bytes
+
+from . import _ranks, collectives, kernels
+
+FLOORS_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gate.json")
+TOLERANCE = 0.75  # fail below this fraction of a floor (after one retry)
+KERNEL_BYTES = 16 << 20  # past every core's L2; small enough to keep the gate under a minute
+COLLECTIVE_BYTES = [64 << 10, 4 << 20]
+COLLECTIVE_IMPLS = {"torch-via-qcoll": "bits=None", "qcoll": "quantized"}
+
+
+def kernel_cell(kernel: str, dtype: str) -> str:
+    return f"kernel {kernel} {dtype} {human_bytes(KERNEL_BYTES)}"
+
+
+def collective_cell(collective: str, impl: str, nbytes: int) -> str:
+    return f"{collective} {COLLECTIVE_IMPLS[impl]} {human_bytes(nbytes)} vs torch"
+
+
+class _Slowed:
+    """qcoll.<name> running its work four times per call while the gate measures: the
+    deliberately slowed kernel of the gate's own test (--slow quantize)."""
+
+    def __init__(self, name: str | None):
+        self.name = name
+
+    def __enter__(self):
+        if self.name:
+            self.original = getattr(qcoll, self.name)
+
+            def thrice(*args, **kw):
+                for _ in range(3):
+                    self.original(*args, **kw)
+                return self.original(*args, **kw)
+
+            setattr(qcoll, self.name, thrice)
+        return self
+
+    def __exit__(self, *exc):
+        if self.name:
+            setattr(qcoll, self.name, self.original)
+        return False
+
+
+def measure_kernels(slow: str | None = None) -> dict:
+    """{cell: fraction of copy}: each kernel the best of 3 rounds of paired medians."""
+    dev = torch.device("cpu")
+    copy = kernels.Copy(KERNEL_BYTES, dev, rounds=3, min_repeats=5)
+    with _Slowed(slow):
+        return {kernel_cell(kernel, dtype): gbps / copy_gbps
+                for kernel, dtype, gbps, copy_gbps in kernels._rows_at(copy, KERNEL_BYTES, dev)}
+
+
+def measure_collectives() -> dict:
+    """{cell: torch's time / qcoll's time}: the fastest of the repeats of each (the slowest
+    rank's time per repeat), the implementations taking turns call by call."""
+    cfg = collectives.config(COLLECTIVE_BYTES, quick=True)
+    cfg.update(phases=False, pipeline_sizes=[], overlap_sizes=[], attempts=1, warmup=2, repeats=5)
+    out = _ranks.launch(cfg, timeout=300)
+    best = {(r["collective"], r["impl"], r["bytes"]): min(r["times_s"]) for r in out["rows"]}
+    return {collective_cell(c, impl, n): best[(c, "torch", n)] / t
+            for (c, impl, n), t in best.items() if impl in COLLECTIVE_IMPLS}
+
+
+def load_floors(path: str = FLOORS_PATH) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def compare(measured: dict, floors: dict, tolerance: float = TOLERANCE) -> dict:
+    """Each floor's verdict: ok, slow (below tolerance x floor) or missing (not measured);
+    plus the measured cells that have no floor yet."""
+    verdicts = {}
+    for cell, floor in floors.items():
+        if cell not in measured:
+            verdicts[cell] = dict(floor=floor, ratio=None, status="missing")
+        else:
+            ratio = measured[cell]
+            verdicts[cell] = dict(floor=floor, ratio=ratio, of_floor=ratio / floor,
+                                  status="ok" if ratio >= tolerance * floor else "slow")
+    new = {cell: ratio for cell, ratio in measured.items() if cell not in floors}
+    return {"cells": verdicts, "new": new}
+
+
+def _measure(part: str, slow) -> dict:
+    return measure_kernels(slow) if part == "kernels" else measure_collectives()
+
+
+def run(quick: bool, progress, update: bool = False, slow: str | None = None,
+        gate_parts: str = "kernels,collectives", floors_path: str = FLOORS_PATH) -> dict:
+    parts = [p for p in gate_parts.split(",") if p]
+    bad = set(parts) - {"kernels", "collectives"}
+    if bad:
+        raise SystemExit(f"--gate-parts: unknown part(s) {sorted(bad)}; allowed: kernels, collectives")
+    task = progress.add_task("gate", total=len(parts))
+    t0 = time.perf_counter()
+    measured, retried = {}, {}
+    for part in parts:
+        measured[part] = _measure(part, slow)
+        progress.advance(task)
+    if update:
+        cells = {cell: round(r, 4) for part in parts for cell, r in measured[part].items()}
+        floors = load_floors(floors_path)["floors"] if os.path.exists(floors_path) else {}
+        # Cells of the parts not measured keep their floors.
+        keep = {c: f for c, f in floors.items() if _part_of(c) not in parts}
+        with open(floors_path, "w") as f:
+            json.dump({"tolerance": TOLERANCE, "kernel_bytes": KERNEL_BYTES,
+                       "collective_bytes": COLLECTIVE_BYTES,
+                       "floors": dict(sorted({**keep, **cells}.items()))}, f, indent=1)
+            f.write("\n")
+        return {"updated": floors_path, "measured": measured, "seconds": time.perf_counter() - t0,
+                "failed": False}
+    floors = {c: f for c, f in load_floors(floors_path)["floors"].items() if _part_of(c) in parts}
+    flat = {c: r for part in parts for c, r in measured[part].items()}
+    verdict = compare(flat, floors)
+    slow_parts = {_part_of(c) for c, v in verdict["cells"].items() if v["status"] == "slow"}
+    for part in sorted(slow_parts):  # one retry of each part with a slow cell; keep the better
+        retried[part] = _measure(part, slow)
+        for cell, r in retried[part].items():
+            flat[cell] = max(flat.get(cell, 0.0), r)
+    if slow_parts:
+        verdict = compare(flat, floors)
+    failed = [c for c, v in verdict["cells"].items() if v["status"] != "ok"]
+    return {"tolerance": TOLERANCE, "parts": parts, "retried": sorted(retried), "seconds": time.perf_counter() - t0,
+            "failed": bool(failed), "failing_cells": failed, **verdict}
+
+
+def _part_of(cell: str) -> str:
+    return "kernels" if cell.startswith("kernel ") else "collectives"
+
+
+def table(result: dict) -> list:
+    if "updated" in result:
+        n = sum(len(m) for m in result["measured"].values())
+        return [f"gate: wrote {n} floors to {result['updated']} ({result['seconds']:.0f} s)"]
+    lines = [f"{'cell':58} {'ratio':>7} {'floor':>7} {'of floor':>9}  verdict"]
+    for cell, v in result["cells"].items():
+        if v["ratio"] is None:
+            lines.append(f"{cell:58} {'-':>7} {v['floor']:7.3f} {'-':>9}  MISSING (floor without a cell)")
+            continue
+        lines.append(f"{cell:58} {v['ratio']:7.3f} {v['floor']:7.3f} {v['of_floor']:9.0%}  "
+                     f"{'ok' if v['status'] == 'ok' else 'SLOW'}")
+    for cell, r in result["new"].items():
+        lines.append(f"{cell:58} {r:7.3f} {'-':>7} {'-':>9}  new (no floor: run with --update)")
+    verdict = "FAILED" if result["failed"] else "passed"
+    lines.append(f"gate {verdict}: {len(result['cells']) - len(result['failing_cells'])} of {len(result['cells'])} "
+                 f"cells at >= {result['tolerance']:.0%} of their floors"
+                 + (f" (retried: {', '.join(result['retried'])})" if result["retried"] else "")
+                 + f"; {result['seconds']:.0f} s")
+    return lines
+
+
+def plot(result: dict, path: str) -> None:
+    raise SystemExit("the gate suite has no chart")
