@@ -11,9 +11,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(*args, timeout=120) -> subprocess.CompletedProcess:
+def _run(*args, timeout=120, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, os.path.join(ROOT, "bench", "run.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
 def _result(*args, timeout=120) -> dict:

@@ -43,10 +43,16 @@ def test_committed_floors_cover_every_kernel_and_collective_cell():
                 assert gate.collective_cell(collective, impl, n) in floors
 
 
+def test_gate_refuses_other_thread_counts_than_its_floors():
+    proc = _run("gate", "--gate-parts", "kernels", env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert proc.returncode != 0 and "OMP_NUM_THREADS=1" in proc.stderr
+
+
 def test_gate_fails_on_a_deliberately_slowed_kernel():
     """qcoll.quantize doing its work four times: every quantize cell falls to about a quarter
     of its floor, the gate retries, still fails, exits 1 and names them."""
-    proc = _run("gate", "--gate-parts", "kernels", "--slow", "quantize", timeout=300)
+    proc = _run("gate", "--gate-parts", "kernels", "--slow", "quantize", timeout=300,
+                env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1][len("RESULT "):])
     assert result["failed"] and result["retried"] == ["kernels"]

@@ -80,7 +80,7 @@ def _convergence_worker(rank, world, steps):
 
 
 def test_quantized_hook_trains_within_1_percent_of_ddp_default():
-    steps, world = 80, 4
+    steps, world = 120, 4  # at 80 steps the loss still falls fast: a small lag reads as > 1%
     runs = run_ranks(world, _convergence_worker, steps, timeout=600)
     tail = lambda losses: sum(losses[-20:]) / 20  # noqa: E731
     default = sum(tail(r["counted"]["losses"]) for r in runs) / world

@@ -116,6 +116,10 @@ def _measure(part: str, slow) -> dict:
 
 def run(quick: bool, progress, update: bool = False, slow: str | None = None,
         gate_parts: str = "kernels,collectives", floors_path: str = FLOORS_PATH) -> dict:
+    if os.environ.get("OMP_NUM_THREADS") != "1":
+        # The floors are one thread per process, as under torchrun: other counts change the ratios.
+        raise SystemExit("the gate runs with one thread per process, as its floors were measured: "
+                         "OMP_NUM_THREADS=1 python bench/run.py gate")
     parts = [p for p in gate_parts.split(",") if p]
     bad = set(parts) - {"kernels", "collectives"}
     if bad:
