@@ -183,7 +183,7 @@ def _entry_points_worker(rank, world):
     import torch.distributed as dist
 
     import qcoll.collectives
-    from qcoll.zero.collectives import EngineCollectives
+    from qcoll.zero.comms import EngineComms
 
     qcoll.collectives._MIN_STAGE_BYTES = 64  # let small calls pipeline
     g = qcoll.new_group(node_size=NODE_SIZE)
@@ -197,7 +197,7 @@ def _entry_points_worker(rank, world):
     qcoll.quantized_allgather(got[0], shard, g, bits=4, group_size=64)
     qcoll.fsdp.QuantizedAllGather(bits=4, group_size=64, node_size=NODE_SIZE)(got[1], shard, pg)
     flat = SimpleNamespace(full=got[2], compute_shard=shard)
-    engine = EngineCollectives(ZeroConfig(weight_bits=4, group_size=64), g, g)
+    engine = EngineComms(ZeroConfig(weight_bits=4, group_size=64), g, g)
     engine.gather_forward(flat).wait()
     assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])
 
@@ -214,7 +214,7 @@ def _entry_points_worker(rank, world):
                             grad_hadamard=hadamard)
         flat = SimpleNamespace(flat_grad=lambda: grad, shard_numel=n,
                                accumulate_grad_shard=lambda s: got[2].copy_(s))
-        engine = EngineCollectives(config, g, g)
+        engine = EngineComms(config, g, g)
         engine.reduce_grads(flat)
         engine.finish_reduces()
         assert torch.equal(got[0], got[1]) and torch.equal(got[0], got[2])

@@ -32,7 +32,7 @@ def _completed(work) -> bool:
     return work is None or work.is_completed()
 
 
-class EngineCollectives:
+class EngineComms:
     def __init__(self, config: ZeroConfig, group: Group, hpz_group: Group):
         self.config = config
         self.group = group
