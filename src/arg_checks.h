@@ -1,4 +1,4 @@
-// Argument checks shared by the entry points of the core (kernels.cpp, wire.cpp).
+// Argument checks shared by the entry points of the core (kernel_dispatch.cpp, wire_dispatch.cpp).
 #pragma once
 
 #include "qcoll/device.h"

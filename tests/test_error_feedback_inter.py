@@ -167,3 +167,15 @@ def _bad_worker(rank, world):
 
 def test_bad_error_feedback_raises_before_communication_on_every_rank():
     assert run_ranks(4, _bad_worker) == [True] * 4
+
+
+def test_bind_takes_ranks_and_group_size_is_a_deprecated_alias():
+    x = torch.ones(8)
+    ef = qcoll.ErrorFeedback().bind("quantized_all_reduce", x, ranks=4)
+    assert "over 4 ranks" in repr(ef)
+    with pytest.warns(DeprecationWarning, match=r"bind\(group_size=\) is deprecated: pass ranks="):
+        assert qcoll.ErrorFeedback().bind("quantized_all_reduce", x, group_size=4)._binding == ef._binding
+    with pytest.raises(ValueError, match="over 2 ranks"):
+        ef.bind("quantized_all_reduce", x, 2)
+    with pytest.raises(TypeError, match="not both ranks and group_size"), pytest.warns(DeprecationWarning):
+        qcoll.ErrorFeedback().bind("quantized_all_reduce", x, 4, group_size=4)

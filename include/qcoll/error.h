@@ -1,5 +1,7 @@
-// One error type and one check macro for the whole core: every failed check becomes a
-// qcoll::Error carrying file:line, which the binding turns into a Python exception.
+// The core's error types and every check macro (arguments, invariants, CUDA, NCCL): a
+// failed check becomes a qcoll::ArgumentError or qcoll::Error carrying file:line, which the
+// binding turns into a Python exception. The CUDA / NCCL macros expand only where
+// cuda_runtime_api.h / qcoll/nccl_api.h are included.
 #pragma once
 
 #include <sstream>
@@ -44,4 +46,22 @@ std::string concat(const char* file, int line, Args&&... args) {
   do {                                                                               \
     if (!(cond))                                                                     \
       throw ::qcoll::Error(::qcoll::detail::concat(__FILE__, __LINE__, __VA_ARGS__)); \
+  } while (0)
+
+// QCOLL_CUDA_CHECK(cudaStreamSynchronize(s)): a failed CUDA runtime call.
+#define QCOLL_CUDA_CHECK(expr)                                                          \
+  do {                                                                                  \
+    const cudaError_t qcoll_err_ = (expr);                                              \
+    QCOLL_CHECK(qcoll_err_ == cudaSuccess, "CUDA error ", cudaGetErrorName(qcoll_err_), \
+                ": ", cudaGetErrorString(qcoll_err_), " in ", #expr);                   \
+  } while (0)
+
+// QCOLL_NCCL_CHECK(api.ncclGroupEnd()): NCCL's status, with its messages (nccl::nccl_fail);
+// _COMM adds the communicator's asynchronous error.
+#define QCOLL_NCCL_CHECK(expr) QCOLL_NCCL_CHECK_COMM(expr, nullptr)
+#define QCOLL_NCCL_CHECK_COMM(expr, comm)                                                  \
+  do {                                                                                     \
+    const ::qcoll::nccl::ncclResult_t qcoll_nccl_res_ = (expr);                            \
+    if (qcoll_nccl_res_ != ::qcoll::nccl::ncclSuccess)                                     \
+      ::qcoll::nccl::nccl_fail(qcoll_nccl_res_, #expr, __FILE__, __LINE__, (comm));        \
   } while (0)

@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <string>
 
+#include "qcoll/error.h"  // QCOLL_NCCL_CHECK
+
 // cudaStream_t is `struct CUstream_st*`; declared here so this header needs no CUDA headers.
 struct CUstream_st;
 
@@ -145,12 +147,3 @@ std::string nccl_unique_id();
 
 }  // namespace nccl
 }  // namespace qcoll
-
-// QCOLL_NCCL_CHECK(api.ncclGroupEnd()): NCCL's status to a qcoll::Error with file:line.
-#define QCOLL_NCCL_CHECK(expr) QCOLL_NCCL_CHECK_COMM(expr, nullptr)
-#define QCOLL_NCCL_CHECK_COMM(expr, comm)                                                  \
-  do {                                                                                     \
-    const ::qcoll::nccl::ncclResult_t qcoll_nccl_res_ = (expr);                            \
-    if (qcoll_nccl_res_ != ::qcoll::nccl::ncclSuccess)                                     \
-      ::qcoll::nccl::nccl_fail(qcoll_nccl_res_, #expr, __FILE__, __LINE__, (comm));        \
-  } while (0)

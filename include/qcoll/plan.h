@@ -32,7 +32,9 @@ struct ReduceScatterPlan {
   int64_t header = 0;      // header bytes at the start of every slot
   int64_t call_check = 0;  // workspace bytes of the call check (wire_header.h), first
   WireFormat first;   // the only hop (flat), or the intra-node hop
-  WireFormat second;  // the inter-node hop (two_hop only)
+  // The inter-node hop; with one hop, the same as first: either way the format the call
+  // crosses nodes with when the group spans several (the all-reduce gathers in it).
+  WireFormat second;
 
   int64_t slice_begin(int32_t s) const { return s * slice; }
   int64_t slice_len(int32_t s) const {

@@ -8,16 +8,20 @@ from .delta import delta_allgather
 from .error_feedback import ErrorFeedback
 from .group import Group, destroy, new_group
 from .info import build_info
+from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
 from .quantization import DEFAULT_GROUP_SIZE, QuantizedTensor, dequantize, quantize
 from .stats import reset_stats, stats
 
 __all__ = [
     "__version__",
+    "AllGatherPolicy",
+    "AllReducePolicy",
     "CommunicationError",
     "DEFAULT_GROUP_SIZE",
     "ErrorFeedback",
     "Group",
     "QuantizedTensor",
+    "ReduceScatterPolicy",
     "Work",
     "build_info",
     "delta_allgather",

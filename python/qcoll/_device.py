@@ -2,9 +2,10 @@
 
 import torch
 
+from . import _C
 from .info import _static_info
 
-CPU, CUDA = 0, 1
+CPU, CUDA = _C.DEVICE_KINDS["cpu"], _C.DEVICE_KINDS["cuda"]  # the core's DeviceKind codes
 
 
 def device_args(t: torch.Tensor, what: str) -> tuple:

@@ -14,6 +14,7 @@ from . import _C
 # name -> {"code", "bits" (per code), "float", "qmax", "asymmetric" (offered)}
 FORMATS = {name: dict(info) for name, info in _C.FORMATS.items()}
 RAW_CODE = _C.RAW_FORMAT  # a wire hop that carries the values unquantized (None)
+_NAMES = {info["code"]: name for name, info in FORMATS.items()}  # code -> name
 # The integer spellings of the integer formats (bits=8 stays int8).
 _INT_SPELLINGS = {info["bits"]: name for name, info in FORMATS.items() if not info["float"]}
 
@@ -42,3 +43,8 @@ def format_code(value, name: str = "bits", allow_none: bool = True) -> int:
     """The core's code of a bit-width argument (RAW_CODE for None)."""
     fmt = format_name(value, name, allow_none)
     return RAW_CODE if fmt is None else FORMATS[fmt]["code"]
+
+
+def format_of(code: int) -> Optional[str]:
+    """The canonical name of a core format code, as a plan reports a hop's (None: raw)."""
+    return None if code == RAW_CODE else _NAMES[code]

@@ -7,11 +7,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import _C
 from ._calls import CommunicationError
 from ._dtypes import DTYPE_CODES
 
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-_SUM, _AVG = 0, 1
+_SUM, _AVG = _C.OPS["sum"], _C.OPS["avg"]  # the core's ReduceOp codes
 
 # torch >= 2.9 names; older releases only have the *_into_tensor / *_tensor ones.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

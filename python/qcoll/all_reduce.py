@@ -15,28 +15,26 @@ import torch
 
 from . import _C
 from ._dtypes import dtype_code
+from ._formats import format_of
 from .collectives import (
     _allgather_core,
     _carve,
-    _check_bits,
-    _check_hierarchical,
     _check_op,
-    _check_stages,
     _debug_check,
-    _group_size,
+    _ranks_in,
     _reduce_scatter_core,
     _run,
-    first_hop_bits,
 )
 from .error_feedback import (
     check_error_feedback,
     compensate_first_hop,
+    has_first_encode,
     inter_residual,
     compensate_shard,
     keep_shard_residual,
 )
 from .group import resolve_group
-from .quantization import check_group_size
+from .policy import ALL_REDUCE, AllReducePolicy
 
 _WHAT = "quantized_all_reduce"
 
@@ -52,9 +50,10 @@ def _check_tensor(tensor) -> int:
     return dtype_code(tensor.dtype, f"{_WHAT}: tensor")
 
 
-def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", bits=8,
-                         inter_bits=None, group_size: Optional[int] = None,
-                         hierarchical: bool = True, pipeline_stages: Optional[int] = 2,
+def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", bits=ALL_REDUCE.bits,
+                         inter_bits=ALL_REDUCE.inter_bits, group_size: Optional[int] = None,
+                         hierarchical: bool = ALL_REDUCE.hierarchical,
+                         pipeline_stages: Optional[int] = ALL_REDUCE.pipeline_stages,
                          error_feedback=None, async_op: bool = False):
     """all_reduce semantics, in place: every rank's tensor becomes op ("avg": the mean,
     "sum") over the ranks' tensors, computed in fp32, in the tensor's dtype.
@@ -71,34 +70,30 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     (2-hop) and of its shard's all-gather encode.
     Returns a Work with async_op=True (one for the whole call), else None.
     """
-    size = _group_size(group)
+    size = _ranks_in(group)
     code = _check_tensor(tensor)
     _check_op(op)
-    _check_bits(bits, "bits")
-    _check_bits(inter_bits, "inter_bits")
-    group_size = check_group_size(group_size)
-    stages = _check_stages(pipeline_stages)
-    _check_hierarchical(hierarchical)
+    policy = AllReducePolicy(bits, inter_bits, group_size, pipeline_stages, hierarchical)
+    rs = policy.reduce_scatter()
+    group_size, stages = policy.group_size, policy.pipeline_stages
     check_error_feedback(error_feedback)
     g = resolve_group(group)
-    _debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, _check_bits(bits, "bits"),
-                     _check_bits(inter_bits, "inter_bits"), group_size, stages, hierarchical,
-                     error_feedback is not None), tensor.device)
+    _debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, rs.intra_code, rs.inter_code,
+                     group_size, stages, hierarchical, error_feedback is not None), tensor.device)
 
     numel = tensor.numel()
     n = -(-numel // size)  # shard elements; the tensor is padded to size * n
-    cross = bits if inter_bits is None else inter_bits
-    gather_bits = cross if g.num_nodes > 1 else bits
     device = tensor.device
-    rs_plan, reduce_scatter, extra_comms = _reduce_scatter_core(g, n, code, op, bits, cross, group_size,
-                                                                stages, hierarchical, device)
+    rs_plan, reduce_scatter, extra_comms = _reduce_scatter_core(g, n, code, op, rs.intra_bits, rs.inter_bits,
+                                                                group_size, stages, hierarchical, device)
+    # The shards cross nodes (if the group spans several) in the format the plan crosses them with.
+    gather_bits = format_of(rs_plan.second_format)
     ag_plan, all_gather = _allgather_core(g, n, code, gather_bits, group_size, device)
-    first = first_hop_bits(g, rs_plan.two_hop, bits, cross)
 
     ef = residual_in = residual_shard = None
     if error_feedback is not None:
         ef = error_feedback.bind(_WHAT, tensor, size)
-        if first is not None:
+        if has_first_encode(rs_plan):
             residual_in = ef.residual("input", size * n, device)
         if gather_bits is not None:
             residual_shard = ef.residual("shard", n, device)
@@ -119,8 +114,7 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
         parts = (_C.Traffic(), _C.Traffic())
         try:
             if residual_in is not None:
-                compensate_first_hop(full, residual_in, first, group_size, size, n, rs_plan.stages,
-                                     rs_plan.slice)
+                compensate_first_hop(full, residual_in, rs_plan, group_size, size, n)
             g._buffers.set(full, shard, workspace)
             reduce_scatter(comm, kind, index, stream, workspace, parts[0], sequence, full, shard,
                            "none", lane_stream, residual_inter)

@@ -20,9 +20,9 @@ from ._device import device_args
 from ._dtypes import BYTES_CODE, DTYPE_CODES, dtype_code
 from ._formats import RAW_CODE, format_code
 from .group import Group, resolve_group
-from .error_feedback import (check_error_feedback, compensate_first_hop, has_inter_encode,
-                             inter_residual)
-from .quantization import check_group_size, check_hadamard
+from .error_feedback import (check_error_feedback, compensate_first_hop, has_first_encode,
+                             has_inter_encode, inter_residual)
+from .policy import ALL_GATHER, REDUCE_SCATTER, AllGatherPolicy, ReduceScatterPolicy
 
 OPS = dict(_C.OPS)  # name -> the core's ReduceOp code
 # Smallest pipeline stage (input bytes of one partition's slice) worth its exchanges;
@@ -71,8 +71,8 @@ def _size_rule(what: str) -> str:
     return "input.numel() must equal group size * output.numel()"
 
 
-def _group_size(group) -> int:
-    """The group's size without creating a qcoll.Group (arguments are checked first)."""
+def _ranks_in(group) -> int:
+    """The group's number of ranks without creating a qcoll.Group (arguments are checked first)."""
     if isinstance(group, Group):
         return group.size
     if group is not None and not isinstance(group, dist.ProcessGroup):
@@ -180,18 +180,6 @@ def _check_op(op) -> str:
     return op
 
 
-def _check_stages(pipeline_stages) -> int:
-    stages = 1 if pipeline_stages is None else pipeline_stages
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise ValueError(f"pipeline_stages must be a positive int or None, got {pipeline_stages!r}")
-    return stages
-
-
-def _check_hierarchical(hierarchical) -> None:
-    if not (hierarchical is None or isinstance(hierarchical, bool)):
-        raise ValueError(f"hierarchical must be True, False or None, got {hierarchical!r}")
-
-
 def _allgather_core(g: Group, n: int, code: int, bits, group_size: int, device: torch.device):
     """The plan of one all-gather of n elements per rank over g, and
     run(comm, kind, index, stream, workspace, traffic, sequence, input, output, collective)
@@ -233,12 +221,6 @@ def _reduce_scatter_core(g: Group, n: int, code: int, op: str, intra_bits, inter
     return plan, run, ((intra_comm, inter_comm) if plan.two_hop else ())
 
 
-def first_hop_bits(g: Group, two_hop: bool, intra_bits, inter_bits):
-    """The code format (as the caller spelled it) of a reduce-scatter's first encode: the
-    intra-node hop, or the one hop, which crosses nodes whenever the group spans several."""
-    return intra_bits if two_hop or g.num_nodes == 1 else inter_bits
-
-
 def _carve(workspace: torch.Tensor, offset: int, numel: int, dtype: torch.dtype):
     """A typed view of numel elements at a 16-byte aligned offset of the workspace, and the
     offset after it."""
@@ -247,7 +229,7 @@ def _carve(workspace: torch.Tensor, offset: int, numel: int, dtype: torch.dtype)
     return workspace[offset:offset + nbytes].view(dtype), offset + nbytes
 
 
-def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *, bits=8,
+def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *, bits=ALL_GATHER.bits,
                         group_size: Optional[int] = None, async_op: bool = False):
     """all_gather_into_tensor semantics: output = concatenation of every rank's input, in
     rank order. bits=8 / "int8", 4 / "int4" or "fp8_e4m3" block-quantizes what travels
@@ -255,14 +237,14 @@ def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *
     bit-identical); bits=None is the transport's own all-gather in the input dtype, which
     may then be any dtype (a non-float one travels as raw bytes, exactly). The input may be a view of this rank's
     slot of the output (in place)."""
-    size = _group_size(group)
+    size = _ranks_in(group)
     n = input.numel() if isinstance(input, torch.Tensor) else 0
-    wire_format = _check_bits(bits, "bits")
+    policy = AllGatherPolicy(bits=bits, group_size=group_size)
+    wire_format, group_size = policy.code, policy.group_size
     code = _check_pair(output, input, size * n, n, "quantized_allgather",
                        raw_bytes_ok=wire_format == RAW_CODE)
     if code == BYTES_CODE:
         n *= input.element_size()
-    group_size = check_group_size(group_size)
     g = resolve_group(group)
     _debug_check(g, ("quantized_allgather", n, output.numel(), str(input.dtype), wire_format, group_size),
                  input.device)
@@ -275,7 +257,7 @@ def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *
 
 
 def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, *, op: str = "avg",
-                             intra_bits=8, inter_bits=4,
+                             intra_bits=REDUCE_SCATTER.intra_bits, inter_bits=REDUCE_SCATTER.inter_bits,
                              group_size: Optional[int] = None, pipeline_stages: Optional[int] = None,
                              hierarchical: Optional[bool] = None, error_feedback=None,
                              hadamard: bool = False, hadamard_size: Optional[int] = None,
@@ -303,18 +285,15 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     final decode transforms back. Raw hops (bits=None) carry plain values; with both bits
     None it is an error.
     """
-    size = _group_size(group)
+    size = _ranks_in(group)
     n = output.numel() if isinstance(output, torch.Tensor) else 0
     code = _check_pair(output, input, n, size * n, "quantized_reduce_scatter")
     _check_op(op)
-    intra = _check_bits(intra_bits, "intra_bits")
-    inter = _check_bits(inter_bits, "inter_bits")
-    group_size = check_group_size(group_size)
-    hadamard_size = check_hadamard(hadamard, hadamard_size, group_size)
-    if hadamard_size and intra == RAW_CODE and inter == RAW_CODE:
-        raise ValueError("hadamard=True needs a quantized hop (intra_bits or inter_bits not None)")
-    stages = _check_stages(pipeline_stages)
-    _check_hierarchical(hierarchical)
+    # pipeline_stages=None (one stage) stays this API's documented default: see qcoll.policy.
+    policy = ReduceScatterPolicy(intra_bits, inter_bits, group_size, pipeline_stages, hierarchical,
+                                 hadamard, hadamard_size)
+    intra, inter, group_size = policy.intra_code, policy.inter_code, policy.group_size
+    hadamard_size, stages = policy.hadamard_block, policy.pipeline_stages
     check_error_feedback(error_feedback)
     g = resolve_group(group)
     _debug_check(g, ("quantized_reduce_scatter", n, input.numel(), str(input.dtype), op, intra,
@@ -322,11 +301,10 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
                      hadamard_size), input.device)
     plan, run, extra_comms = _reduce_scatter_core(g, n, code, op, intra_bits, inter_bits, group_size,
                                                   stages, hierarchical, input.device, hadamard_size)
-    first = first_hop_bits(g, plan.two_hop, intra_bits, inter_bits)
     ef = residual = None
-    if error_feedback is not None and (first is not None or has_inter_encode(plan)):
+    if error_feedback is not None and (has_first_encode(plan) or has_inter_encode(plan)):
         ef = error_feedback.bind("quantized_reduce_scatter", input, g.size)
-        if first is not None:
+        if has_first_encode(plan):
             residual = ef.residual("input", input.numel(), input.device)
     inter = inter_residual(ef, plan, g.num_nodes, n, input.device)
     workspace_bytes = plan.workspace_bytes + (0 if residual is None else input.numel() * input.element_size() + 16)
@@ -336,8 +314,7 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
         if residual is not None:  # the compensated input goes into the workspace, past the plan's
             source, _ = _carve(workspace, plan.workspace_bytes, input.numel(), input.dtype)
             source.copy_(input.reshape(-1))
-            compensate_first_hop(source, residual, first, group_size, g.size, n, plan.stages,
-                                 plan.slice, hadamard_size)
+            compensate_first_hop(source, residual, plan, group_size, g.size, n, hadamard_size)
             g._buffers.set(source, output, workspace)
         run(comm, kind, index, stream, workspace, traffic, sequence, source, output,
             lane_stream=lane_stream, residual=inter)

@@ -20,38 +20,40 @@ import torch
 import torch.distributed as dist
 
 from .all_reduce import quantized_all_reduce
-from .collectives import _check_bits, _check_stages
 from .error_feedback import ErrorFeedback
 from .group import Group, resolve_group
-from .quantization import check_group_size
+from .policy import DDP_ALL_REDUCE, AllReducePolicy, take_policy
 
 
 class QuantizedHookState:
     """What quantized_allreduce_hook needs across steps: the qcoll.Group (created here,
     collectively, from `group`: a qcoll.Group, a ProcessGroup or None for the world), the
-    code formats, and one ErrorFeedback per bucket.
+    code formats (or `policy`, a qcoll.AllReducePolicy, instead of bits, inter_bits,
+    group_size and pipeline_stages), and one ErrorFeedback per bucket.
 
     DDP rebuilds its buckets once, after the first iteration, so the residuals kept during
     that iteration belong to another layout: they are dropped when it ends."""
 
-    def __init__(self, group=None, bits=8, inter_bits=4,
+    def __init__(self, group=None, bits=DDP_ALL_REDUCE.bits, inter_bits=DDP_ALL_REDUCE.inter_bits,
                  error_feedback: bool = True, *, group_size: Optional[int] = None,
-                 pipeline_stages: int = 2):
-        _check_bits(bits, "bits")
-        _check_bits(inter_bits, "inter_bits")
+                 pipeline_stages: int = DDP_ALL_REDUCE.pipeline_stages,
+                 policy: Optional[AllReducePolicy] = None):
+        loose = AllReducePolicy(bits, inter_bits, group_size, pipeline_stages)
+        self.policy = take_policy(policy, loose, DDP_ALL_REDUCE)
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
         if group is not None and not isinstance(group, (Group, dist.ProcessGroup)):
             raise TypeError(f"group must be a qcoll.Group, a torch ProcessGroup or None, got {type(group).__name__}")
-        self.bits = bits
-        self.inter_bits = inter_bits
-        self.error_feedback = error_feedback and bits is not None
-        self.group_size = check_group_size(group_size)
-        self.pipeline_stages = _check_stages(pipeline_stages)
+        self.error_feedback = error_feedback and self.bits is not None
         self.group = resolve_group(group)
         self.process_group = self.group.pg  # the caller's (the counted default hook uses it)
         self.iteration = 0
         self._feedback: dict = {}
+
+    bits = property(lambda self: self.policy.bits)
+    inter_bits = property(lambda self: self.policy.inter_bits)
+    group_size = property(lambda self: self.policy.group_size)
+    pipeline_stages = property(lambda self: self.policy.pipeline_stages)
 
     def feedback_for(self, bucket) -> Optional[ErrorFeedback]:
         if not self.error_feedback:
@@ -73,10 +75,8 @@ def quantized_allreduce_hook(state: QuantizedHookState, bucket: dist.GradBucket
     """DDP comm hook: the bucket's gradients averaged over state.group with
     qcoll.quantized_all_reduce; the Future completes with the averaged bucket tensor."""
     buffer = bucket.buffer()
-    work = quantized_all_reduce(buffer, state.group, op="avg", bits=state.bits,
-                                inter_bits=state.inter_bits, group_size=state.group_size,
-                                pipeline_stages=state.pipeline_stages,
-                                error_feedback=state.feedback_for(bucket), async_op=True)
+    work = quantized_all_reduce(buffer, state.group, op="avg", error_feedback=state.feedback_for(bucket),
+                                async_op=True, **state.policy.kwargs())
     if bucket.is_last():
         state.end_of_iteration()
     return work.get_future(buffer)

@@ -19,10 +19,9 @@ import torch
 
 from ._dtypes import DTYPE_CODES
 from ._formats import RAW_CODE
-from .collectives import (_allgather_core, _check_bits, _check_pair, _debug_check, _group_size, _run,
-                          quantized_allgather)
+from .collectives import _allgather_core, _check_pair, _debug_check, _ranks_in, _run, quantized_allgather
 from .group import resolve_group
-from .quantization import check_group_size
+from .policy import DELTA_ALL_GATHER, AllGatherPolicy
 
 _F32 = torch.float32
 _ALIGN = 64  # bytes: each workspace region starts on a cache line (and a float boundary)
@@ -37,7 +36,8 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def delta_allgather(full: torch.Tensor, shard: torch.Tensor, group=None, *, bits: Optional[int] = 4,
+def delta_allgather(full: torch.Tensor, shard: torch.Tensor, group=None, *,
+                    bits: Optional[int] = DELTA_ALL_GATHER.bits,
                     group_size: Optional[int] = None, async_op: bool = False):
     """Weight-difference all-gather (SDP4Bit's qWD).
 
@@ -53,14 +53,14 @@ def delta_allgather(full: torch.Tensor, shard: torch.Tensor, group=None, *, bits
     bits=None sends the new values themselves (the transport's all-gather in full's dtype):
     `full` becomes exactly the gathered shards. Bytes count under qcoll.stats()'s
     "allgather" (the core's all-gather carries them)."""
-    size = _group_size(group)
+    size = _ranks_in(group)
     n = shard.numel() if isinstance(shard, torch.Tensor) else 0
-    wire_bits = _check_bits(bits, "bits")
+    policy = AllGatherPolicy(bits=bits, group_size=group_size)
+    wire_bits, group_size = policy.code, policy.group_size
     _check_pair(full, shard, size * n, n, "delta_allgather", names=("full", "shard"))
     if n and _overlaps(full, shard):
         raise ValueError("delta_allgather: shard must not share memory with full (full holds the "
                          "previous value the difference is taken from)")
-    group_size = check_group_size(group_size)
     if wire_bits == RAW_CODE:
         return quantized_allgather(full, shard, group, bits=None, async_op=async_op)
     g = resolve_group(group)

@@ -7,10 +7,10 @@ qcoll are made by one rank from a value only it holds:
 
   "input"  the first encode of a reduce-scatter (and of an all-reduce's reduce-scatter
            half): this rank's own tensor, as the first hop's code format groups it. Its
-           residual has the input's numel (padded to a multiple of the group size).
+           residual has the input's numel (padded to a multiple of the number of ranks).
   "shard"  an all-reduce's all-gather: the reduced shard this rank owns, re-encoded at
            `inter_bits or bits`. Every rank decodes those bytes, the owner included, so the
-           owner's residual is exact. numel / group size elements.
+           owner's residual is exact. numel / ranks elements.
   "inter"  the 2-hop reduce-scatter's inter-node re-encode (also an all-reduce's
            reduce-scatter half), when that hop is quantized: the partial sums over its node
            that this rank re-encodes for each node, one per node (num_nodes x shard numel
@@ -21,11 +21,12 @@ qcoll are made by one rank from a value only it holds:
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
 
-from ._formats import RAW_CODE
+from ._formats import RAW_CODE, format_of
 
 
 class ErrorFeedback:
@@ -34,11 +35,11 @@ class ErrorFeedback:
 
     Memory: fp32 residuals allocated on the first call, on the tensor's device: 4 bytes per
     element of the input ("input"), plus 4 bytes per element of this rank's shard for an
-    all-reduce ("shard": numel / group size), plus, when the call runs two hops with a
+    all-reduce ("shard": numel / ranks), plus, when the call runs two hops with a
     quantized inter-node format, 4 bytes per element of numel / node_size ("inter": the
     partial sums re-encoded across nodes). E.g. a 2-hop all-reduce on nodes of 8 ranks
     keeps 4 + 4 / world + 0.5 bytes per element of the tensor. ``nbytes`` reports it; ``reset()`` frees it.
-    The state binds to the first call's collective, numel, dtype, device and group size; a
+    The state binds to the first call's collective, numel, dtype, device and ranks; a
     call that differs raises ValueError (use one state per tensor or bucket). With
     async_op=True the state is updated when the call runs: do not pass it to another call
     before waiting."""
@@ -56,9 +57,20 @@ class ErrorFeedback:
         self._residuals = {}
         self._binding = None
 
-    def bind(self, collective: str, tensor: torch.Tensor, group_size: int) -> "ErrorFeedback":
-        """Check (or record, on first use) which call this state belongs to."""
-        binding = (collective, tensor.numel(), tensor.dtype, tensor.device, group_size)
+    def bind(self, collective: str, tensor: torch.Tensor, ranks: Optional[int] = None, *,
+             group_size: Optional[int] = None) -> "ErrorFeedback":
+        """Check (or record, on first use) which call this state belongs to: `collective` of
+        `tensor` over a group of `ranks` ranks. (group_size=: the deprecated name of ranks;
+        group_size means the quantization block everywhere else.)"""
+        if group_size is not None:
+            warnings.warn("ErrorFeedback.bind(group_size=) is deprecated: pass ranks= (the "
+                          "number of ranks)", DeprecationWarning, stacklevel=2)
+            if ranks is not None:
+                raise TypeError("ErrorFeedback.bind: pass ranks, not both ranks and group_size")
+            ranks = group_size
+        if ranks is None:
+            raise TypeError("ErrorFeedback.bind: missing ranks (the group's number of ranks)")
+        binding = (collective, tensor.numel(), tensor.dtype, tensor.device, ranks)
         if self._binding is None:
             self._binding = binding
         elif binding != self._binding:
@@ -79,6 +91,12 @@ class ErrorFeedback:
         return f"ErrorFeedback({bound}, {self.nbytes} bytes)"
 
 
+def has_first_encode(plan) -> bool:
+    """Whether a reduce-scatter plan's first hop (the one the "input" residual
+    compensates) is quantized."""
+    return plan.first_format != RAW_CODE
+
+
 def has_inter_encode(plan) -> bool:
     """Whether a reduce-scatter plan re-encodes partial sums across nodes (two hops, the
     second quantized): the encode the "inter" residual compensates."""
@@ -95,8 +113,8 @@ def inter_residual(ef: Optional[ErrorFeedback], plan, num_nodes: int, n: int,
 
 
 def _describe(binding: tuple) -> str:
-    collective, numel, dtype, device, group_size = binding
-    return f"{collective} of {numel} {dtype} elements on {device} over {group_size} ranks"
+    collective, numel, dtype, device, ranks = binding
+    return f"{collective} of {numel} {dtype} elements on {device} over {ranks} ranks"
 
 
 def check_error_feedback(error_feedback) -> None:
@@ -138,15 +156,15 @@ def _decode_first_hop(send: torch.Tensor, bits, group_size: int, world: int, n: 
     return decoded.view(-1)
 
 
-def compensate_first_hop(send: torch.Tensor, residual: torch.Tensor, bits, group_size: int,
-                         world: int, n: int, stages: int, slice_len: int,
-                         hadamard_size: int = 0) -> None:
-    """send (the buffer the first hop encodes) += residual; residual = what the encode of
-    the compensated values loses (including their rounding to send's dtype)."""
+def compensate_first_hop(send: torch.Tensor, residual: torch.Tensor, plan, group_size: int,
+                         world: int, n: int, hadamard_size: int = 0) -> None:
+    """send (the buffer the first hop of the reduce-scatter `plan` encodes) += residual;
+    residual = what that encode (in the format the plan gives the hop) loses on the
+    compensated values, including their rounding to send's dtype."""
     wanted = send.float().add_(residual)
     send.copy_(wanted)
-    torch.sub(wanted, _decode_first_hop(send, bits, group_size, world, n, stages, slice_len,
-                                        hadamard_size), out=residual)
+    torch.sub(wanted, _decode_first_hop(send, format_of(plan.first_format), group_size, world, n,
+                                        plan.stages, plan.slice, hadamard_size), out=residual)
 
 
 def compensate_shard(shard: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

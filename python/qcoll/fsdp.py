@@ -28,10 +28,11 @@ import torch.distributed as dist
 
 from ._dtypes import DTYPE_CODES
 from .all_reduce import quantized_all_reduce
-from .collectives import _check_bits, _check_stages, quantized_allgather, quantized_reduce_scatter
+from .collectives import quantized_allgather, quantized_reduce_scatter
 from .error_feedback import ErrorFeedback
 from .group import Group, resolve_group
-from .quantization import check_group_size
+from .policy import (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, AllGatherPolicy, AllReducePolicy,
+                     ReduceScatterPolicy, take_policy)
 
 MIN_TORCH = "2.9"
 
@@ -135,30 +136,35 @@ class QuantizedAllGather(_Allocating, AllGather):
     decodes the same bytes: the unsharded parameters are bit-identical across ranks);
     None: qcoll's unquantized path (the transport's own all-gather). FSDP2 hands uint8 when
     parameters of several dtypes share a group: those bytes are never quantized.
+    policy: a qcoll.AllGatherPolicy instead of bits and group_size.
     """
 
-    def __init__(self, bits=8, group_size: Optional[int] = None,
-                 node_size: Optional[int] = None):
+    def __init__(self, bits=ALL_GATHER.bits, group_size: Optional[int] = None,
+                 node_size: Optional[int] = None, *, policy: Optional[AllGatherPolicy] = None):
         _require_api()
-        _check_bits(bits, "bits")
-        self.bits = bits
-        self.group_size = check_group_size(group_size)
+        self.policy = take_policy(policy, AllGatherPolicy(bits, group_size), ALL_GATHER)
         self.node_size = _check_node_size(node_size)
+
+    bits = property(lambda self: self.policy.bits)
+    group_size = property(lambda self: self.policy.group_size)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
                  async_op: bool = False):
-        bits = self.bits if input_tensor.dtype in DTYPE_CODES else None
+        kwargs = self.policy.kwargs()
+        if input_tensor.dtype not in DTYPE_CODES:
+            kwargs["bits"] = None  # bytes of mixed-dtype groups travel exactly
         work = quantized_allgather(output_tensor, input_tensor, qcoll_group(group, self.node_size),
-                                   bits=bits, group_size=self.group_size, async_op=async_op)
+                                   async_op=async_op, **kwargs)
         return _as_dist_work(work)
 
     def __repr__(self) -> str:
         return f"QuantizedAllGather(bits={self.bits}, group_size={self.group_size}, node_size={self.node_size})"
 
 
-def _reduce_op(op, group_size: int):
-    """(qcoll op, factor applied to the output) for the ReduceOp FSDP2 passes: AVG, SUM, or
-    PREMUL_SUM(f) (its gradient divide factor), computed as f * SUM in fp32."""
+def _reduce_op(op, ranks: int):
+    """(qcoll op, factor applied to the output) for the ReduceOp FSDP2 passes over `ranks`
+    ranks: AVG, SUM, or PREMUL_SUM(f) (its gradient divide factor), computed as f * SUM in
+    fp32."""
     kind = getattr(op, "op", op)  # a ReduceOp object (PREMUL_SUM) or a RedOpType
     if kind == dist.ReduceOp.AVG:
         return "avg", None
@@ -166,8 +172,15 @@ def _reduce_op(op, group_size: int):
         return "sum", None
     if kind == dist.ReduceOp.PREMUL_SUM:
         factor = float(op.factor)
-        return ("avg", None) if factor * group_size == 1.0 else ("sum", factor)
+        return ("avg", None) if factor * ranks == 1.0 else ("sum", factor)
     raise ValueError(f"op must be ReduceOp.AVG, SUM or PREMUL_SUM for a gradient reduce-scatter, got {op!r}")
+
+
+def _grad_policy(intra_bits, inter_bits, pipeline_stages, group_size=None) -> ReduceScatterPolicy:
+    """The loose keywords' policy: both bits None is the transport's own reduce-scatter."""
+    baseline = intra_bits is None and inter_bits is None
+    return ReduceScatterPolicy(intra_bits, inter_bits, group_size, pipeline_stages,
+                               hierarchical=False if baseline else None)
 
 
 class QuantizedReduceScatter(_Allocating, ReduceScatter):
@@ -177,30 +190,29 @@ class QuantizedReduceScatter(_Allocating, ReduceScatter):
     inter_bits across nodes (each 8 / "int8", 4 / "int4", "fp8_e4m3" or None), pipelined
     over pipeline_stages slices. With both bits None the
     call is qcoll's baseline: the transport's own reduce-scatter.
+    policy: a qcoll.ReduceScatterPolicy instead of the other keywords but node_size.
     """
 
-    def __init__(self, intra_bits=8, inter_bits=4,
-                 pipeline_stages: int = 2, group_size: Optional[int] = None,
-                 node_size: Optional[int] = None):
+    def __init__(self, intra_bits=REDUCE_SCATTER.intra_bits, inter_bits=REDUCE_SCATTER.inter_bits,
+                 pipeline_stages: int = REDUCE_SCATTER.pipeline_stages, group_size: Optional[int] = None,
+                 node_size: Optional[int] = None, *, policy: Optional[ReduceScatterPolicy] = None):
         _require_api()
-        _check_bits(intra_bits, "intra_bits")
-        _check_bits(inter_bits, "inter_bits")
-        self.intra_bits = intra_bits
-        self.inter_bits = inter_bits
-        self.pipeline_stages = _check_stages(pipeline_stages)
-        self.group_size = check_group_size(group_size)
+        loose = _grad_policy(intra_bits, inter_bits, pipeline_stages, group_size)
+        self.policy = take_policy(policy, loose, REDUCE_SCATTER)
         self.node_size = _check_node_size(node_size)
+
+    intra_bits = property(lambda self: self.policy.intra_bits)
+    inter_bits = property(lambda self: self.policy.inter_bits)
+    pipeline_stages = property(lambda self: self.policy.pipeline_stages)
+    group_size = property(lambda self: self.policy.group_size)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op,
                  async_op: bool = False):
         g = qcoll_group(group, self.node_size)
         qop, factor = _reduce_op(op, g.size)
-        baseline = self.intra_bits is None and self.inter_bits is None
         work = quantized_reduce_scatter(
-            output_tensor, input_tensor, g, op=qop, intra_bits=self.intra_bits,
-            inter_bits=self.inter_bits, group_size=self.group_size,
-            pipeline_stages=self.pipeline_stages, hierarchical=False if baseline else None,
-            async_op=async_op and factor is None)
+            output_tensor, input_tensor, g, op=qop, async_op=async_op and factor is None,
+            **self.policy.kwargs())
         if factor is not None:
             output_tensor.mul_(factor)
         return _as_dist_work(work)
@@ -220,33 +232,36 @@ class QuantizedReplicaAllReduce:
     (one hook per FSDPModule: FSDP2 hands each module's shard, always the same size).
 
     The module must be sharded over the shard dimension only (``fully_shard(mesh=
-    mesh["shard"])``): with a 2-D mesh FSDP2 all-reduces itself and calls the hook after."""
+    mesh["shard"])``): with a 2-D mesh FSDP2 all-reduces itself and calls the hook after.
+    policy: a qcoll.AllReducePolicy instead of bits, inter_bits, pipeline_stages and
+    group_size."""
 
-    def __init__(self, replicate_group, bits=8, inter_bits=None,
-                 pipeline_stages: int = 2, group_size: Optional[int] = None,
-                 error_feedback: bool = True, node_size: Optional[int] = None):
+    def __init__(self, replicate_group, bits=ALL_REDUCE.bits, inter_bits=ALL_REDUCE.inter_bits,
+                 pipeline_stages: int = ALL_REDUCE.pipeline_stages, group_size: Optional[int] = None,
+                 error_feedback: bool = True, node_size: Optional[int] = None, *,
+                 policy: Optional[AllReducePolicy] = None):
         _require_api()
         if not isinstance(replicate_group, (Group, dist.ProcessGroup)):
             raise TypeError("replicate_group must be a qcoll.Group or a torch ProcessGroup (e.g. "
                             f"mesh.get_group('replicate')), got {type(replicate_group).__name__}")
-        _check_bits(bits, "bits")
-        _check_bits(inter_bits, "inter_bits")
+        loose = AllReducePolicy(bits, inter_bits, group_size, pipeline_stages)
+        self.policy = take_policy(policy, loose, ALL_REDUCE)
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
         self.replicate_group = replicate_group
-        self.bits = bits
-        self.inter_bits = inter_bits
-        self.pipeline_stages = _check_stages(pipeline_stages)
-        self.group_size = check_group_size(group_size)
         self.node_size = _check_node_size(node_size)
-        self.error_feedback = ErrorFeedback() if error_feedback and bits is not None else None
+        self.error_feedback = ErrorFeedback() if error_feedback and self.bits is not None else None
+
+    bits = property(lambda self: self.policy.bits)
+    inter_bits = property(lambda self: self.policy.inter_bits)
+    pipeline_stages = property(lambda self: self.policy.pipeline_stages)
+    group_size = property(lambda self: self.policy.group_size)
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         g = (self.replicate_group if isinstance(self.replicate_group, Group)
              else qcoll_group(self.replicate_group, self.node_size))
-        quantized_all_reduce(reduce_output, g, op="avg", bits=self.bits, inter_bits=self.inter_bits,
-                             group_size=self.group_size, pipeline_stages=self.pipeline_stages,
-                             error_feedback=self.error_feedback)
+        quantized_all_reduce(reduce_output, g, op="avg", error_feedback=self.error_feedback,
+                             **self.policy.kwargs())
 
     def __repr__(self) -> str:
         return (f"QuantizedReplicaAllReduce(bits={self.bits}, inter_bits={self.inter_bits}, "
@@ -273,10 +288,14 @@ def _fsdp_modules(module: torch.nn.Module) -> list:
     return found
 
 
-def use_qcoll(module: torch.nn.Module, *, weight_bits=8, grad_intra_bits=8, grad_inter_bits=4,
-              grad_pipeline_stages: int = 2, node_size: Optional[int] = None,
-              replicate_group=None, replicate_bits=8, replicate_inter_bits=None,
-              replicate_error_feedback: bool = True) -> torch.nn.Module:
+def use_qcoll(module: torch.nn.Module, *, weight_bits=ALL_GATHER.bits,
+              grad_intra_bits=REDUCE_SCATTER.intra_bits, grad_inter_bits=REDUCE_SCATTER.inter_bits,
+              grad_pipeline_stages: int = REDUCE_SCATTER.pipeline_stages, node_size: Optional[int] = None,
+              replicate_group=None, replicate_bits=ALL_REDUCE.bits,
+              replicate_inter_bits=ALL_REDUCE.inter_bits, replicate_error_feedback: bool = True,
+              weight_policy: Optional[AllGatherPolicy] = None,
+              grad_policy: Optional[ReduceScatterPolicy] = None,
+              replicate_policy: Optional[AllReducePolicy] = None) -> torch.nn.Module:
     """Set qcoll's all-gather and reduce-scatter on every FSDPModule in `module`'s tree
     (FSDP2's setters act on one module only). Bits: 8 / "int8", 4 / "int4", "fp8_e4m3", or
     None, which leaves that collective unquantized.
@@ -285,15 +304,22 @@ def use_qcoll(module: torch.nn.Module, *, weight_bits=8, grad_intra_bits=8, grad
     replicate_group (HSDP): the ProcessGroup of this rank's replicas (a 2-D mesh's
     mesh.get_group("replicate"), the module sharded over mesh["shard"]); each FSDPModule then
     averages its gradient shard over it with qcoll.quantized_all_reduce at replicate_bits /
-    replicate_inter_bits, with error feedback (QuantizedReplicaAllReduce). Returns `module`."""
-    all_gather = QuantizedAllGather(bits=weight_bits, node_size=node_size)
-    reduce_scatter = QuantizedReduceScatter(intra_bits=grad_intra_bits, inter_bits=grad_inter_bits,
-                                            pipeline_stages=grad_pipeline_stages, node_size=node_size)
+    replicate_inter_bits, with error feedback (QuantizedReplicaAllReduce).
+    weight_policy / grad_policy / replicate_policy: a qcoll.AllGatherPolicy /
+    ReduceScatterPolicy / AllReducePolicy instead of the weight_* / grad_* / replicate_*
+    bits (and grad_pipeline_stages, which the replicas' all-reduce also takes). Returns
+    `module`."""
+    all_gather = QuantizedAllGather(node_size=node_size, policy=take_policy(
+        weight_policy, AllGatherPolicy(weight_bits), ALL_GATHER, "weight_policy", "weight_"))
+    loose = _grad_policy(grad_intra_bits, grad_inter_bits, grad_pipeline_stages)
+    reduce_scatter = QuantizedReduceScatter(node_size=node_size, policy=take_policy(
+        grad_policy, loose, REDUCE_SCATTER, "grad_policy", "grad_"))
     hook_args = None
     if replicate_group is not None:
-        hook_args = dict(replicate_group=replicate_group, bits=replicate_bits,
-                         inter_bits=replicate_inter_bits, pipeline_stages=grad_pipeline_stages,
-                         error_feedback=replicate_error_feedback, node_size=node_size)
+        loose = AllReducePolicy(replicate_bits, replicate_inter_bits, pipeline_stages=grad_pipeline_stages)
+        hook_args = dict(replicate_group=replicate_group, error_feedback=replicate_error_feedback,
+                         node_size=node_size, policy=take_policy(
+                             replicate_policy, loose, ALL_REDUCE, "replicate_policy", "replicate_"))
         QuantizedReplicaAllReduce(**hook_args)  # the arguments are checked before any change
     modules = _fsdp_modules(module)
     if hook_args is not None:

@@ -1,16 +1,10 @@
-// CUDACHECK-style macro: a failed CUDA runtime call becomes a qcoll::Error with file:line.
+// The CUDA runtime with QCOLL_CUDA_CHECK (qcoll/error.h, where every check macro lives),
+// and a scoped current device.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include "qcoll/error.h"
-
-#define QCOLL_CUDA_CHECK(expr)                                                          \
-  do {                                                                                  \
-    const cudaError_t qcoll_err_ = (expr);                                              \
-    QCOLL_CHECK(qcoll_err_ == cudaSuccess, "CUDA error ", cudaGetErrorName(qcoll_err_), \
-                ": ", cudaGetErrorString(qcoll_err_), " in ", #expr);                   \
-  } while (0)
 
 namespace qcoll {
 namespace cuda {

@@ -27,8 +27,9 @@ using math::GroupStats;
 constexpr int kThreads = 256;
 constexpr int kPacket = 8;          // elements per packet
 constexpr int kPacketsPerLane = 4;  // packets one lane holds in registers
-// Largest group one team holds in registers; also the chunk of the split path.
-constexpr int64_t kChunk = int64_t{kThreads} * kPacketsPerLane * kPacket;
+// Largest group one team holds in registers; also the piece of a larger group one block
+// takes (split path). Not a wire chunk (wire.h).
+constexpr int64_t kTeamPiece = int64_t{kThreads} * kPacketsPerLane * kPacket;
 constexpr int64_t kMaxBlocks = int64_t{1} << 16;  // grid cap; kernels loop over the rest
 
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -355,7 +356,7 @@ void with_dtype(DType dtype, F&& f) {
     case DType::kFloat32: return f(Fp32{});
     case DType::kFloat16: return f(Fp16{});
     case DType::kBFloat16: return f(Bf16{});
-    case DType::kBytes: break;  // never reaches a kernel (checked in kernels.cpp / wire.cpp)
+    case DType::kBytes: break;  // never reaches a kernel (checked in kernel_dispatch.cpp / wire_dispatch.cpp)
   }
 }
 

@@ -4,10 +4,10 @@
 // parameter: the source (where the fp32 values come from) and the sink (where the codes
 // and parameters go, with which rounding).
 //
-// group_size <= kChunk: one team of `lanes` threads per group (up to 32 lanes reduce with
+// group_size <= kTeamPiece: one team of `lanes` threads per group (up to 32 lanes reduce with
 //   shuffles, 64..256 add a shared-memory step). Each lane keeps its (at most
 //   kPacketsPerLane) packets in registers, so the source is read once.
-// larger groups: groups are cut into kChunk-element pieces, one block each, so a few huge
+// larger groups: groups are cut into kTeamPiece-element pieces, one block each, so a few huge
 //   groups still fill the GPU. The sink's prepare() zeroes the parameter slots, a stats
 //   pass merges each piece's statistics into them with integer atomicMax, a finalize
 //   kernel turns them into the parameters, and a code pass re-reads the source and writes
@@ -49,8 +49,8 @@ struct CodeRuns {
   int64_t len;
   int64_t group_size;
   int64_t groups;            // per run
-  int64_t chunks_per_group;  // split path: kChunk pieces per group
-  int64_t units;             // team work items: items * groups (* chunks_per_group)
+  int64_t pieces_per_group;  // split path: kTeamPiece pieces per group
+  int64_t units;             // team work items: items * groups (* pieces_per_group)
   int lanes;                 // fused path: threads per team, a power of two dividing kThreads
   int hadamard;  // block size of the transform between the source and the codes (0: none)
   bool vec;      // every run's codes aligned to a packet's code bytes
@@ -70,17 +70,17 @@ struct TeamUnit {
 template <Pass P>
 __device__ __forceinline__ TeamUnit team_unit(const CodeRuns& c, int64_t u) {
   if (u >= c.units) return {0, 0, 0, 0};
-  const int64_t per_item = P == Pass::kFused ? c.groups : c.groups * c.chunks_per_group;
+  const int64_t per_item = P == Pass::kFused ? c.groups : c.groups * c.pieces_per_group;
   const int64_t item = u / per_item;
   const int64_t r = u - item * per_item;
-  const int64_t g = P == Pass::kFused ? r : r / c.chunks_per_group;
+  const int64_t g = P == Pass::kFused ? r : r / c.pieces_per_group;
   const int64_t group_begin = g * c.group_size;
   const int64_t group_end = min64(group_begin + c.group_size, c.len);
   if constexpr (P == Pass::kFused) {
     return {item, g, group_begin, group_end};
   } else {
-    const int64_t begin = group_begin + (r - g * c.chunks_per_group) * kChunk;
-    return {item, g, begin, min64(begin + kChunk, group_end)};
+    const int64_t begin = group_begin + (r - g * c.pieces_per_group) * kTeamPiece;
+    return {item, g, begin, min64(begin + kTeamPiece, group_end)};
   }
 }
 
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
     const int64_t step = int64_t{kPacket} * lanes;
     Packet cache[kPacketsPerLane] = {};
     src.load(unit.item, e0, step, unit.end, cache);
-    if (sink.hadamard) {  // units start on block boundaries (group sizes and kChunk are multiples)
+    if (sink.hadamard) {  // units start on block boundaries (group sizes and kTeamPiece are multiples)
       bool whole[kPacketsPerLane];
 #pragma unroll
       for (int j = 0; j < kPacketsPerLane; ++j)
@@ -222,11 +222,11 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
   }
 }
 
-// Fills in the sink's team fields (lanes, units, chunks_per_group) and runs the fused
+// Fills in the sink's team fields (lanes, units, pieces_per_group) and runs the fused
 // kernel, or the split path's prepare, stats, finalize and code passes.
 template <CodeFormat F, typename Src, typename Sink>
 void launch_team(const Src& src, Sink sink, cudaStream_t stream) {
-  if (sink.group_size <= kChunk) {
+  if (sink.group_size <= kTeamPiece) {
     sink.lanes = team_lanes(sink.group_size);
     sink.units = sink.items * sink.groups;
     launch<team_kernel<F, Pass::kFused, Src, Sink>>(grid_for(sink.units, kThreads / sink.lanes),
@@ -234,8 +234,8 @@ void launch_team(const Src& src, Sink sink, cudaStream_t stream) {
     return;
   }
   sink.lanes = kThreads;
-  sink.chunks_per_group = (sink.group_size + kChunk - 1) / kChunk;
-  sink.units = sink.items * sink.groups * sink.chunks_per_group;
+  sink.pieces_per_group = (sink.group_size + kTeamPiece - 1) / kTeamPiece;
+  sink.units = sink.items * sink.groups * sink.pieces_per_group;
   sink.prepare(stream);
   launch<team_kernel<F, Pass::kStats, Src, Sink>>(grid_for(sink.units, 1), kThreads, stream, src, sink);
   launch<finalize_kernel<F, Sink>>(grid_for(sink.items * sink.groups, kThreads), kThreads, stream,

@@ -135,7 +135,7 @@ struct QuantSumSource {  // reduce of quantized chunks
                                        Packet (&acc)[N]) const {
     const uint8_t* chunks = l.input + item * l.output_stride;
     // All packets of one load lie in one input group: N == 1, or the team of one output
-    // group, which sits inside an input group (equal group sizes, checked by wire.cpp).
+    // group, which sits inside an input group (equal group sizes, checked by wire_dispatch.cpp).
     const int64_t scale_at = scales_offset + 4 * (first / group_size);
     struct Raw {
       float scale;

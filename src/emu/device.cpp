@@ -1,5 +1,5 @@
 // The emulator module's build capabilities: its CUDA kernels are the emulated ones, so the
-// entry points (kernels.cpp, wire.cpp) accept CUDA devices and dispatch to them.
+// entry points (kernel_dispatch.cpp, wire_dispatch.cpp) accept CUDA devices and dispatch to them.
 #include "qcoll/device.h"
 
 namespace qcoll {

@@ -290,6 +290,8 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MIN_PIPELINE_STAGE_BYTES") = qcoll::kMinPipelineStageBytes;
   m.attr("WIRE_HEADER_BYTES") = qcoll::kHeaderBytes;
   m.attr("DTYPES") = dtype_table();
+  m.attr("DEVICE_KINDS") = py::dict(py::arg("cpu") = static_cast<int>(qcoll::DeviceKind::kCPU),
+                                    py::arg("cuda") = static_cast<int>(qcoll::DeviceKind::kCUDA));
   m.attr("OPS") = op_table();
   m.attr("FORMATS") = format_table();
   m.attr("RAW_FORMAT") = static_cast<int>(qcoll::CodeFormat::kRaw);

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
 from .._formats import format_name
+from ..policy import ALL_GATHER, REDUCE_SCATTER, AllGatherPolicy, ReduceScatterPolicy, check_stages
 from ..quantization import check_group_size
 
 _COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -56,16 +58,19 @@ class ZeroConfig:
         a tuple of module classes; or a callable(module) -> bool. A unit is gathered before
         its module's forward and backward and freed after, so a unit module must be one
         whose parameters are read only inside its own forward (true of any block).
+
+    ``weight_policy`` and ``grad_policy`` are the qcoll.AllGatherPolicy and
+    ReduceScatterPolicy these fields compose (what the engine's calls use).
     """
 
     qwz: bool = True
     hpz: Optional[bool] = None
     qgz: bool = True
     compute_dtype: torch.dtype = torch.bfloat16
-    weight_bits: Union[int, str] = 8
-    grad_intra_bits: Union[int, str] = 8
-    grad_inter_bits: Union[int, str] = 4
-    grad_pipeline_stages: int = 2
+    weight_bits: Union[int, str] = ALL_GATHER.bits
+    grad_intra_bits: Union[int, str] = REDUCE_SCATTER.intra_bits
+    grad_inter_bits: Union[int, str] = REDUCE_SCATTER.inter_bits
+    grad_pipeline_stages: int = REDUCE_SCATTER.pipeline_stages
     hpz_group_size: Optional[int] = None
     prefetch: bool = True
     group_size: Optional[int] = None
@@ -91,9 +96,7 @@ class ZeroConfig:
             raise ValueError(f"compute_dtype must be one of {_COMPUTE_DTYPES}, got {self.compute_dtype}")
         for name in ("weight_bits", "grad_intra_bits", "grad_inter_bits"):
             format_name(getattr(self, name), name)
-        if isinstance(self.grad_pipeline_stages, bool) or not isinstance(self.grad_pipeline_stages, int) \
-                or self.grad_pipeline_stages < 1:
-            raise ValueError(f"grad_pipeline_stages must be a positive int, got {self.grad_pipeline_stages!r}")
+        check_stages(self.grad_pipeline_stages, "grad_pipeline_stages", allow_none=False)
         if self.hpz_group_size is not None and (isinstance(self.hpz_group_size, bool)
                                                 or not isinstance(self.hpz_group_size, int)
                                                 or self.hpz_group_size < 1):
@@ -118,6 +121,19 @@ class ZeroConfig:
         elif rule is not None and (not callable(rule) or isinstance(rule, type)):
             raise ValueError(f"unit_modules must be None, a non-empty tuple of nn.Module classes or a "
                              f"callable(module) -> bool, got {rule!r}")
+
+    @functools.cached_property
+    def weight_policy(self) -> AllGatherPolicy:
+        """The weight all-gathers' policy (qwz=False: unquantized)."""
+        return AllGatherPolicy(bits=self.weight_bits if self.qwz else None, group_size=self.group_size)
+
+    @functools.cached_property
+    def grad_policy(self) -> ReduceScatterPolicy:
+        """The gradient reduce-scatter's policy (qgz=False: the transport's own)."""
+        if not self.qgz:
+            return ReduceScatterPolicy.transport()
+        return ReduceScatterPolicy(self.grad_intra_bits, self.grad_inter_bits, self.group_size,
+                                   self.grad_pipeline_stages, hadamard=self.grad_hadamard)
 
     def _check_stage_switches(self) -> None:
         if self.stage == 2:

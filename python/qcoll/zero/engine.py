@@ -1,7 +1,7 @@
 """ZeroEngine: ZeRO-3 for any nn.Module on qcoll's collectives (qwZ, hpZ, qgZ), and stage 2
 (SDP4Bit's setting: qWD, TLq-HS).
 
-Units are subtrees (units.py): a unit is gathered right before its module's forward (and
+Units are subtrees (unit_modules.py): a unit is gathered right before its module's forward (and
 again before its backward), freed after its last use, and its gradient is reduce-scattered
 into the fp32 gradient shards as soon as autograd has accumulated all of it. Each unit's
 lifecycle lives in unit.py; this file drives it from module hooks. The optimizer only ever
@@ -9,7 +9,7 @@ sees the fp32 master shards. Checkpoints: checkpoint.py.
 
 Stage 2 is the same engine with resident full buffers: a unit's "gather" moves it through
 the same states without communicating, and step() all-gathers the updated shards into
-every rank's full buffers (EngineCollectives.publish_weights).
+every rank's full buffers (EngineComms.publish_weights).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import torch.nn as nn
 from ..collectives import quantized_allgather
 from ..group import Group, _partition_groups, _subgroup, resolve_group
 from . import checkpoint
-from .collectives import EngineCollectives
+from .comms import EngineComms
 from .config import ZeroConfig
 from .flat_param import FlatParam
 from .loss_scaler import LossScaler
 from .unit import BACKWARD, FORWARD, Unit, UnitState
-from .units import assign_parameters, select_unit_modules
+from .unit_modules import assign_parameters, select_unit_modules
 
 
 def _hpz_group(group: Group, size: Optional[int]) -> Group:
@@ -65,7 +65,7 @@ class ZeroEngine:
         self.module = model
         self.config = config
         self.group = resolve_group(group)
-        self.comm = EngineCollectives(config, self.group, _hpz_group(self.group, config.hpz_group_size)
+        self.comm = EngineComms(config, self.group, _hpz_group(self.group, config.hpz_group_size)
                                       if config.hpz else self.group)
         self.resident = config.stage == 2  # full weights stay on every rank
         self.units: List[Unit] = []

@@ -1,6 +1,6 @@
 """A ZeRO-3 unit and its lifecycle, in one place.
 
-A unit is a module and the parameters it holds (units.py), in up to two flat buffers
+A unit is a module and the parameters it holds (unit_modules.py), in up to two flat buffers
 (flat_param.py): trainable ones and frozen ones (a frozen parameter must not share a master
 shard with trainable ones, or weight decay would move it). Each step a unit goes through
 

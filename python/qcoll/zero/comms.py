@@ -32,7 +32,7 @@ def _completed(work) -> bool:
     return work is None or work.is_completed()
 
 
-class EngineCollectives:
+class EngineComms:
     def __init__(self, config: ZeroConfig, group: Group, hpz_group: Group):
         self.config = config
         self.group = group
@@ -64,13 +64,12 @@ class EngineCollectives:
             self.seconds[kind] += time.perf_counter() - start
 
     # ---- all-gathers -------------------------------------------------------------------
-    def _forward_bits(self) -> Optional[int]:
-        return self.config.weight_bits if self.config.qwz else None
+    def _gather_weights(self, flat: FlatParam):
+        return qc.quantized_allgather(flat.full, flat.compute_shard, self.group, async_op=True,
+                                      **self.config.weight_policy.kwargs())
 
     def gather_forward(self, flat: FlatParam):
-        bits, gs = self._forward_bits(), self.config.group_size
-        return self._issued("forward_allgather", self.timed("gather", lambda: qc.quantized_allgather(
-            flat.full, flat.compute_shard, self.group, bits=bits, group_size=gs, async_op=True)))
+        return self._issued("forward_allgather", self.timed("gather", lambda: self._gather_weights(flat)))
 
     def keep_secondary(self, flat: FlatParam) -> None:
         """hpZ: keep this rank's part of the gathered weights for the backward gather."""
@@ -79,10 +78,8 @@ class EngineCollectives:
         flat.secondary = flat.full[r * part:(r + 1) * part].clone()
 
     def gather_backward(self, flat: FlatParam):
-        if not self.config.hpz:
-            bits, gs = self._forward_bits(), self.config.group_size  # the forward gather again
-            return self._issued("backward_allgather", self.timed("gather", lambda: qc.quantized_allgather(
-                flat.full, flat.compute_shard, self.group, bits=bits, group_size=gs, async_op=True)))
+        if not self.config.hpz:  # the forward gather again
+            return self._issued("backward_allgather", self.timed("gather", lambda: self._gather_weights(flat)))
         if flat.secondary is None:
             raise RuntimeError(f"qcoll.zero: hpZ backward gather of {flat.names[:3]} without a secondary "
                                "shard (its forward ran without gradients enabled)")
@@ -94,15 +91,13 @@ class EngineCollectives:
         """Stage 2, after the optimizer step: the updated shard into every rank's full buffer.
         source: gather this partition exactly instead (the transport's all-gather in the
         compute dtype; at start and after a load). Returns the call's Work."""
-        cfg, gs = self.config, self.config.group_size
         if source is not None:
             issue = lambda: qc.quantized_allgather(flat.full, source, self.group, bits=None, async_op=True)
-        elif cfg.qwd:
-            issue = lambda: delta_allgather(flat.full, flat.compute_shard, self.group, bits=self._forward_bits(),
-                                            group_size=gs, async_op=True)
+        elif self.config.qwd:
+            issue = lambda: delta_allgather(flat.full, flat.compute_shard, self.group, async_op=True,
+                                            **self.config.weight_policy.kwargs())
         else:
-            issue = lambda: qc.quantized_allgather(flat.full, flat.compute_shard, self.group,
-                                                   bits=self._forward_bits(), group_size=gs, async_op=True)
+            issue = lambda: self._gather_weights(flat)
         return self._issued("forward_allgather", self.timed("gather", issue))
 
     # ---- gradients -----------------------------------------------------------------------
@@ -111,14 +106,7 @@ class EngineCollectives:
         to the fp32 gradient shard."""
         grad = flat.flat_grad()
         shard = torch.empty(flat.shard_numel, dtype=grad.dtype, device=grad.device)
-        cfg = self.config
-        if cfg.qgz:
-            kwargs = dict(intra_bits=cfg.grad_intra_bits, inter_bits=cfg.grad_inter_bits,
-                          group_size=cfg.group_size, pipeline_stages=cfg.grad_pipeline_stages)
-            if cfg.grad_hadamard:
-                kwargs["hadamard"] = True
-        else:
-            kwargs = dict(intra_bits=None, inter_bits=None, hierarchical=False)
+        kwargs = self.config.grad_policy.kwargs()
         work = self._issued("reduce_scatter", self.timed("reduce_scatter", lambda: qc.quantized_reduce_scatter(
             shard, grad, self.group, op="avg", async_op=True, **kwargs)))
         self._pending_reduce.append((flat, shard, grad, work))

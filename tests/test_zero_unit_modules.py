@@ -1,4 +1,4 @@
-"""Which modules are units and which unit holds each parameter (qcoll.zero.units), and the
+"""Which modules are units and which unit holds each parameter (qcoll.zero.unit_modules), and the
 unit lifecycle's guard against illegal transitions (qcoll.zero.unit). No ranks needed."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch.nn as nn
 from qcoll.zero import ZeroConfig
 from qcoll.zero.flat_param import FlatParam
 from qcoll.zero.unit import Unit, UnitState
-from qcoll.zero.units import assign_parameters, select_unit_modules
+from qcoll.zero.unit_modules import assign_parameters, select_unit_modules
 from zero_helpers import gpt
 
 

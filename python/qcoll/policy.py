@@ -1,0 +1,184 @@
+"""Quantization policy: one frozen object per kind of call, one set of defaults.
+
+    AllGatherPolicy       the weight all-gather (qwZ; delta_allgather's qWD)
+    ReduceScatterPolicy   the gradient reduce-scatter (qgZ)
+    AllReducePolicy       the gradient all-reduce (DDP, HSDP replicas)
+
+Every entry point composes these: the functional API builds one from its keywords (the
+field names ARE its keyword names), the FSDP2 comm objects and the DDP hook state take one
+as ``policy=`` instead of their loose keywords, ZeroConfig derives ``weight_policy`` and
+``grad_policy`` from its fields. A policy says how values are encoded; the layout of each
+hop (which format crosses nodes, stages, slices) is the core's plan's to report.
+
+Fields are validated here (ValueError / TypeError naming the field); ``group_size`` (the
+quantization block) and ``pipeline_stages`` are normalized (None -> the default block,
+None -> 1 stage); bit-width fields keep the caller's spelling (8 stays 8, not "int8").
+
+Default decisions (entry points that documented different defaults before the policies):
+- ReduceScatterPolicy.pipeline_stages = 2: what FSDP2's QuantizedReduceScatter, use_qcoll,
+  ZeroConfig and the all-reduce document (the plan drops stages that would not pay, so 2
+  costs nothing on small tensors). qcoll.quantized_reduce_scatter keeps its documented
+  ``pipeline_stages=None`` (one stage): groups start at each slice, so a second stage can
+  change the bits of a large call, and callers may rely on them.
+- AllReducePolicy.inter_bits = None (`bits` across nodes too): what quantized_all_reduce,
+  QuantizedReplicaAllReduce and use_qcoll(replicate_inter_bits=) document. The DDP hook
+  state keeps its documented int4 across nodes (DDP_ALL_REDUCE).
+- delta_allgather keeps its documented int4 (DELTA_ALL_GATHER): weight differences are
+  small, SDP4Bit's qWD sends them at 4 bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+from ._formats import RAW_CODE, format_code
+from .quantization import check_group_size, check_hadamard
+
+Bits = Union[int, str, None]  # 8 / "int8", 4 / "int4", "fp8_e4m3" or None (unquantized)
+
+
+def check_stages(pipeline_stages, name: str = "pipeline_stages", allow_none: bool = True) -> int:
+    """A positive stage count; None (where allowed) is one stage."""
+    stages = 1 if pipeline_stages is None and allow_none else pipeline_stages
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        allowed = "a positive int or None" if allow_none else "a positive int"
+        raise ValueError(f"{name} must be {allowed}, got {pipeline_stages!r}")
+    return stages
+
+
+def check_hierarchical(hierarchical) -> None:
+    if not (hierarchical is None or isinstance(hierarchical, bool)):
+        raise ValueError(f"hierarchical must be True, False or None, got {hierarchical!r}")
+
+
+def _normalize(policy, name: str, value) -> None:
+    object.__setattr__(policy, name, value)  # frozen: __post_init__ is the one writer
+
+
+class _Policy:
+    def kwargs(self) -> dict:
+        """The functional API's keyword arguments for this policy."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGatherPolicy(_Policy):
+    """bits: the code format on the wire (None: the transport's own all-gather, exact);
+    group_size: elements per quantization block (None: qcoll.DEFAULT_GROUP_SIZE)."""
+
+    bits: Bits = 8
+    group_size: Optional[int] = None
+
+    def __post_init__(self):
+        format_code(self.bits, "bits")
+        _normalize(self, "group_size", check_group_size(self.group_size))
+
+    @property
+    def code(self) -> int:
+        """The core's format code (RAW_CODE when unquantized)."""
+        return format_code(self.bits, "bits")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatterPolicy(_Policy):
+    """intra_bits: the intra-node hop's format (also the one hop of a one-node group);
+    inter_bits: the inter-node hop's (also the one hop of a group spanning nodes);
+    group_size: elements per quantization block; pipeline_stages: slices the 2-hop path
+    overlaps (None: 1); hierarchical: None/True 2-hop when the group spans nodes of several
+    ranks, False one hop; hadamard / hadamard_size: Hadamard-smoothed codes (SDP4Bit)."""
+
+    intra_bits: Bits = 8
+    inter_bits: Bits = 4
+    group_size: Optional[int] = None
+    pipeline_stages: Optional[int] = 2
+    hierarchical: Optional[bool] = None
+    hadamard: bool = False
+    hadamard_size: Optional[int] = None
+
+    def __post_init__(self):
+        format_code(self.intra_bits, "intra_bits")
+        format_code(self.inter_bits, "inter_bits")
+        _normalize(self, "group_size", check_group_size(self.group_size))
+        if self.hadamard_block and self.unquantized:
+            raise ValueError("hadamard=True needs a quantized hop (intra_bits or inter_bits not None)")
+        _normalize(self, "pipeline_stages", check_stages(self.pipeline_stages))
+        check_hierarchical(self.hierarchical)
+
+    @classmethod
+    def transport(cls) -> "ReduceScatterPolicy":
+        """Unquantized in one hop: the transport's own reduce-scatter (the baseline)."""
+        return cls(intra_bits=None, inter_bits=None, pipeline_stages=1, hierarchical=False)
+
+    @property
+    def intra_code(self) -> int:
+        return format_code(self.intra_bits, "intra_bits")
+
+    @property
+    def inter_code(self) -> int:
+        return format_code(self.inter_bits, "inter_bits")
+
+    @property
+    def unquantized(self) -> bool:
+        return self.intra_code == RAW_CODE and self.inter_code == RAW_CODE
+
+    @property
+    def hadamard_block(self) -> int:
+        """The Hadamard block the kernels take (0: off)."""
+        return check_hadamard(self.hadamard, self.hadamard_size, self.group_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReducePolicy(_Policy):
+    """bits: the format inside a node; inter_bits: across nodes (None: bits), both for the
+    reduce-scatter half and the all-gather of the reduced shards; group_size,
+    pipeline_stages, hierarchical: as ReduceScatterPolicy's (hierarchical True by default)."""
+
+    bits: Bits = 8
+    inter_bits: Bits = None
+    group_size: Optional[int] = None
+    pipeline_stages: Optional[int] = 2
+    hierarchical: Optional[bool] = True
+
+    def __post_init__(self):
+        format_code(self.bits, "bits")
+        format_code(self.inter_bits, "inter_bits")
+        _normalize(self, "group_size", check_group_size(self.group_size))
+        _normalize(self, "pipeline_stages", check_stages(self.pipeline_stages))
+        check_hierarchical(self.hierarchical)
+
+    @property
+    def cross_bits(self):
+        """The format across nodes: inter_bits, or bits when inter_bits is None."""
+        return self.bits if self.inter_bits is None else self.inter_bits
+
+    def reduce_scatter(self) -> ReduceScatterPolicy:
+        """The policy of the reduce-scatter half (the all-gather half crosses nodes in the
+        format its plan crosses them with)."""
+        return ReduceScatterPolicy(intra_bits=self.bits, inter_bits=self.cross_bits,
+                                   group_size=self.group_size, pipeline_stages=self.pipeline_stages,
+                                   hierarchical=self.hierarchical)
+
+
+def take_policy(policy, loose: _Policy, defaults: _Policy, name: str = "policy",
+                prefix: str = "") -> _Policy:
+    """A plug-in's policy: `policy` as given, else `loose` (built from its loose keywords,
+    spelled prefix + field). Both (a loose keyword off its default, `defaults`) is an error."""
+    if policy is None:
+        return loose
+    cls = type(defaults)
+    if not isinstance(policy, cls):
+        raise TypeError(f"{name} must be a qcoll.{cls.__name__} or None, got {type(policy).__name__}")
+    changed = [prefix + f.name for f in dataclasses.fields(cls) if getattr(loose, f.name) != getattr(defaults, f.name)]
+    if changed:
+        raise TypeError(f"pass either {name}= or {', '.join(changed)}, not both")
+    return policy
+
+
+ALL_GATHER = AllGatherPolicy()
+REDUCE_SCATTER = ReduceScatterPolicy()
+ALL_REDUCE = AllReducePolicy()
+DELTA_ALL_GATHER = AllGatherPolicy(bits=4)  # delta_allgather's documented default
+DDP_ALL_REDUCE = AllReducePolicy(inter_bits=4)  # the DDP hook state's documented default
+
+__all__ = ["AllGatherPolicy", "ReduceScatterPolicy", "AllReducePolicy"]
