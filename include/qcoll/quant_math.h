@@ -126,7 +126,8 @@ QCOLL_HD uint64_t rng_key(uint64_t seed) { return mix64(seed ^ 0x5851f42d4c957f2
 // Uniform in [0, 1) with 24 random bits (exact in fp32).
 QCOLL_HD float uniform01(uint64_t key, uint64_t index) {
   const uint64_t z = mix64(key + (index + 1) * 0x9e3779b97f4a7c15ull);
-  return static_cast<float>(static_cast<uint32_t>(z >> 40)) * (1.0f / 16777216.0f);
+  // z >> 40 < 2^24: the signed conversion is exact and vectorizes on the CPU.
+  return static_cast<float>(static_cast<int32_t>(z >> 40)) * (1.0f / 16777216.0f);
 }
 
 // ---- per-group parameters --------------------------------------------------------------

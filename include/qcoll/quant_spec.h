@@ -54,8 +54,15 @@ QCOLL_SPEC_HD inline constexpr bool format_is_float(CodeFormat f) { return f == 
 // The one dispatch from a format value to kernel code: calls
 // f(std::integral_constant<CodeFormat, format>) for a code format (callers validated it;
 // kRaw never reaches a code kernel).
+// Forced inline on GCC/Clang: the CPU kernels call it inside their ISA-specific drivers,
+// and an out-of-line copy would run the element loops it selects at the baseline ISA.
+#if defined(__GNUC__)
+#define QCOLL_FORCE_INLINE inline __attribute__((always_inline))
+#else
+#define QCOLL_FORCE_INLINE inline
+#endif
 template <typename F>
-inline void with_format(CodeFormat format, F&& f) {
+QCOLL_FORCE_INLINE void with_format(CodeFormat format, F&& f) {
   switch (format) {
     case CodeFormat::kInt4: return f(std::integral_constant<CodeFormat, CodeFormat::kInt4>{});
     case CodeFormat::kFp8E4M3: return f(std::integral_constant<CodeFormat, CodeFormat::kFp8E4M3>{});

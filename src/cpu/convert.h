@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "qcoll/dtype.h"
 #include "qcoll/quant_math.h"
@@ -16,6 +17,17 @@
 
 namespace qcoll {
 namespace cpu {
+
+// Calls f(std::integral_constant<DType, dtype>) for a float dtype: the CPU drivers fix the
+// element type once per call, so the conversions below fold to one loop.
+template <typename F>
+inline __attribute__((always_inline)) void with_float_dtype(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat16: return f(std::integral_constant<DType, DType::kFloat16>{});
+    case DType::kBFloat16: return f(std::integral_constant<DType, DType::kBFloat16>{});
+    default: return f(std::integral_constant<DType, DType::kFloat32>{});
+  }
+}
 
 inline __attribute__((always_inline)) void load_as_float(const void* src, DType t, int64_t n, float* dst) {
   switch (t) {

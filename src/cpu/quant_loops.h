@@ -1,6 +1,7 @@
 // The per-chunk loops of the CPU kernels (quantize.cpp, wire.cpp): stats, nearest codes
 // and decoding of runs of fp32 values, plus the OpenMP range splitter. All helpers are
-// forced inline so that each ISA-cloned range driver compiles them for its own ISA.
+// forced inline so that each ISA variant of a range driver (cpu/isa.h) compiles them for
+// its own ISA; format and symmetry are template parameters, fixed once per call.
 #pragma once
 
 #include <algorithm>
@@ -13,18 +14,12 @@
 #endif
 
 #include "cpu/convert.h"
+#include "cpu/isa.h"
 #include "qcoll/quant_math.h"
 
-// The per-range drivers are compiled for x86-64-v4 (AVX-512) and v3 (AVX2, F16C) as well
-// and picked at load time; the per-group helpers are forced inline into them so every
-// loop gets the wider ISA without a call per group. Every variant does the same IEEE
-// operations (no FMA: -ffp-contract=off), so results stay bit-identical.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define QCOLL_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define QCOLL_CPU_CLONES
-#endif
 #define QCOLL_INLINE inline __attribute__((always_inline))
+// On every lambda of a driver: one left out of line is compiled once, for the baseline ISA.
+#define QCOLL_LAMBDA __attribute__((always_inline))
 
 namespace qcoll {
 namespace cpu {
@@ -40,10 +35,11 @@ QCOLL_INLINE const float* as_float(const char* src, DType t, int64_t m, float* b
 }
 
 // Integer max/min reductions on the float bits (see quant_math.h); they vectorize.
-QCOLL_INLINE void accumulate_stats(const float* x, int64_t m, bool symmetric, math::GroupStats& s) {
+template <bool kSym>
+QCOLL_INLINE void accumulate_stats(const float* x, int64_t m, math::GroupStats& s) {
   const uint32_t* u = reinterpret_cast<const uint32_t*>(x);
   uint32_t abs_bits = s.abs_bits;
-  if (symmetric) {
+  if constexpr (kSym) {
     for (int64_t i = 0; i < m; ++i) {
       const uint32_t a = u[i] & 0x7fffffffu;
       abs_bits = a > abs_bits ? a : abs_bits;
@@ -64,49 +60,108 @@ QCOLL_INLINE void accumulate_stats(const float* x, int64_t m, bool symmetric, ma
   s.hi_key = hi;
 }
 
+// m codes from code(i) (the low bits of the code of element i) packed into bytes.
+template <CodeFormat kF, typename Code>
+QCOLL_INLINE void pack_codes(int64_t m, uint8_t* out, const Code& code) {
+  if constexpr (code_bits(kF) == 8) {
+    for (int64_t i = 0; i < m; ++i) out[i] = code(i);
+  } else {
+    const int64_t pairs = m / 2;
+    for (int64_t i = 0; i < pairs; ++i)
+      out[i] = static_cast<uint8_t>(code(2 * i) | (code(2 * i + 1) << 4));
+    if (m & 1) out[pairs] = code(m - 1);  // odd tail: high nibble 0
+  }
+}
+
+// The largest |x / scale| of a group's codes (beyond it they clamp or saturate).
+template <CodeFormat kF, bool kSym>
+constexpr float code_range() {
+  return kF == CodeFormat::kFp8E4M3 ? 448.0f : kSym ? (kF == CodeFormat::kInt4 ? 7.0f : 127.0f)
+                                                    : (kF == CodeFormat::kInt4 ? 15.0f : 255.0f);
+}
+
+// Nearest codes by x * fl(1 / scale) instead of the exact quotient fl(x / scale), which
+// costs a division per element. With both correctly rounded and 1 / scale normal, the
+// product is within 1.6 * 2^-23 * |v| of the quotient v, so both round to the same code
+// unless the product lies that close to a rounding boundary: a half-integer for the integer
+// formats; for fp8, a midpoint between E4M3 values (low 20 fp32 mantissa bits 0x80000 in the
+// normal range, a half-multiple of 2^-9 below 2^-6). Returns false, leaving out to be
+// rewritten, when some value was that close (about 1 in 8000 for int8): the caller then
+// codes the piece by division, so the codes are the quotient's bit for bit.
+template <bool kSym, CodeFormat kF>
+QCOLL_INLINE bool code_nearest_reciprocal(const float* x, int64_t m, const math::GroupParams& p,
+                                          uint8_t* out) {
+  const float scale = p.scale, offset = p.offset;
+  if (!(scale >= 0x1p-126f && scale <= 0x1p126f)) return false;  // 1 / scale not normal
+  const float r = 1.0f / scale;
+  // Half-integer margin: 8x the bound above for |v| <= code_range + 1, a power of two.
+  constexpr float kMargin = (code_range<kF, kSym>() + 1.0f) * 0x1p-20f;
+  uint32_t near = 0;
+  pack_codes<kF>(m, out, [&](int64_t i) QCOLL_LAMBDA {
+    const float d = kSym ? x[i] : math::sub(x[i], offset);
+    const float y = math::mul(d, r);
+    if constexpr (kF == CodeFormat::kFp8E4M3) {
+      const uint32_t a = math::float_bits(y) & 0x7fffffffu;
+      const uint32_t low = (a & 0xfffffu) - (0x80000u - 32u);  // < 64: within 32 ulps of a midpoint
+      const float z = math::mul(math::bits_float(a), 512.0f);  // exact: the 2^-9 grid as integers
+      const float f = math::sub(z, math::round_half_even(z));
+      const uint32_t sub_near = (math::float_bits(f) & 0x7fffffffu) >= math::float_bits(0.5f - 0x1p-16f);
+      const uint32_t is_sub = a < 0x3c800000u;  // below 2^-6: the subnormal grid
+      near |= (is_sub & sub_near) | ((is_sub ^ 1u) & static_cast<uint32_t>(low < 64u));  // bitwise: vectorizes
+      return math::fp8_e4m3_encode(y);
+    } else {
+      const float q = math::round_half_even(y);
+      const float f = math::sub(y, q);  // exact
+      near |= static_cast<uint32_t>((math::float_bits(f) & 0x7fffffffu) >=
+                                    math::float_bits(0.5f - kMargin));
+      constexpr float lo = kSym ? -code_range<kF, kSym>() : 0.0f;
+      return math::code_to_bits(math::clampf(q, lo, code_range<kF, kSym>()), kF);
+    }
+  });
+  return near == 0;
+}
+
 // Nearest-rounded codes of m values straight into packed bytes; branch-free so it
 // vectorizes (the group's scale is > 0 here).
 template <bool kSym, CodeFormat kF>
 QCOLL_INLINE void code_nearest(const float* x, int64_t m, const math::GroupParams& p, uint8_t* out) {
+  if (code_nearest_reciprocal<kSym, kF>(x, m, p, out)) return;
   const math::GroupParams params = p;  // a local copy: byte stores cannot alias it
-  auto code = [params](float v) { return math::encode_scaled<kSym>(v, params, kF, false, 0.0f); };
-  if constexpr (code_bits(kF) == 8) {
-    for (int64_t i = 0; i < m; ++i) out[i] = code(x[i]);
-    return;
-  }
-  const int64_t pairs = m / 2;
-  for (int64_t i = 0; i < pairs; ++i)
-    out[i] = static_cast<uint8_t>(code(x[2 * i]) | (code(x[2 * i + 1]) << 4));
-  if (m & 1) out[pairs] = code(x[m - 1]);  // odd tail: high nibble 0
+  pack_codes<kF>(m, out, [&](int64_t i) QCOLL_LAMBDA {
+    return math::encode_scaled<kSym>(x[i], params, kF, false, 0.0f);
+  });
 }
 
-// The counter-based hash does not vectorize; stochastic codes go one value at a time.
-inline void code_stochastic(const float* x, int64_t m, const math::GroupParams& p,
-                            CodeFormat format, bool symmetric, uint64_t key, uint64_t index0,
-                            uint8_t* out) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float u = math::uniform01(key, index0 + static_cast<uint64_t>(i));
-    const uint8_t c = math::encode_value(x[i], p, format, symmetric, true, u);
-    if (code_bits(format) == 8) out[i] = c;
-    else out[i / 2] = (i & 1) ? static_cast<uint8_t>(out[i / 2] | (c << 4)) : c;
+// Stochastic codes: the draws of a block of values first (the counter-based hash
+// vectorizes on its own), then their codes.
+template <bool kSym, CodeFormat kF>
+QCOLL_INLINE void code_stochastic(const float* x, int64_t m, const math::GroupParams& p,
+                                  uint64_t key, uint64_t index0, uint8_t* out) {
+  constexpr int64_t kDraws = 256;  // even: int4 blocks start on whole bytes
+  alignas(64) float u[kDraws];
+  const math::GroupParams params = p;
+  for (int64_t b = 0; b < m; b += kDraws) {
+    const int64_t k = std::min(kDraws, m - b);
+    const uint64_t i0 = index0 + static_cast<uint64_t>(b);
+    for (int64_t i = 0; i < k; ++i) u[i] = math::uniform01(key, i0 + static_cast<uint64_t>(i));
+    const float* xb = x + b;
+    pack_codes<kF>(k, out + code_bytes(b, kF), [&](int64_t i) QCOLL_LAMBDA {
+      return math::encode_scaled<kSym>(xb[i], params, kF, true, u[i]);
+    });
   }
 }
 
 // Codes of m values of a group (index0: the stochastic-rounding index of x[0]); reads no
 // values when the group's codes are all zero.
+template <CodeFormat kF, bool kSym>
 QCOLL_INLINE void code_piece(const float* x, int64_t m, const math::GroupParams& p,
-                                   CodeFormat format, bool symmetric, bool stochastic,
-                                   uint64_t key, uint64_t index0, uint8_t* out) {
+                             bool stochastic, uint64_t key, uint64_t index0, uint8_t* out) {
   if (math::codes_are_zero(p)) {
-    std::memset(out, 0, static_cast<size_t>(code_bytes(m, format)));
+    std::memset(out, 0, static_cast<size_t>(code_bytes(m, kF)));
   } else if (stochastic) {
-    code_stochastic(x, m, p, format, symmetric, key, index0, out);
+    code_stochastic<kSym, kF>(x, m, p, key, index0, out);
   } else {
-    with_format(format, [&](auto f) {
-      constexpr CodeFormat kF = decltype(f)::value;
-      if (symmetric) code_nearest<true, kF>(x, m, p, out);
-      else if constexpr (!format_is_float(kF)) code_nearest<false, kF>(x, m, p, out);
-    });
+    code_nearest<kSym, kF>(x, m, p, out);
   }
 }
 
@@ -114,21 +169,21 @@ QCOLL_INLINE void code_piece(const float* x, int64_t m, const math::GroupParams&
 // group of m elements whose fp32 values values(c, k) gives piecewise (elements [c, c + k),
 // c a multiple of `piece`, k <= piece). Pass 1 gathers the statistics over the pieces;
 // pass 2 calls code(x, c, k, params) for the codes. A group of one piece keeps its values
-// from pass 1, and so does a group whose codes are all zero (coded whole, values unread);
-// larger groups recompute each piece. Returns the group's parameters. The callers' lambdas
-// are always_inline, so the ISA clones of their range drivers vectorize them too.
-template <typename Values, typename Code>
-QCOLL_INLINE math::GroupParams encode_group(int64_t m, int64_t piece, CodeFormat format,
-                                            bool symmetric, const Values& values,
+// from pass 1 (in L1: one read of memory), and so does a group whose codes are all zero
+// (coded whole, values unread); larger groups recompute each piece. Returns the group's
+// parameters. The callers' lambdas are always_inline, so the ISA variants of their range
+// drivers vectorize them too.
+template <CodeFormat kF, bool kSym, typename Values, typename Code>
+QCOLL_INLINE math::GroupParams encode_group(int64_t m, int64_t piece, const Values& values,
                                             const Code& code) {
   math::GroupStats stats = math::stats_identity();
   const float* x = nullptr;
   for (int64_t c = 0; c < m; c += piece) {
     const int64_t k = std::min(piece, m - c);
     x = values(c, k);
-    accumulate_stats(x, k, symmetric, stats);
+    accumulate_stats<kSym>(x, k, stats);
   }
-  const math::GroupParams p = math::group_params(stats, format, symmetric);
+  const math::GroupParams p = math::group_params(stats, kF, kSym);
   if (m <= piece || math::codes_are_zero(p)) {
     code(x, int64_t{0}, m, p);
     return p;
@@ -157,9 +212,9 @@ template <CodeFormat kF>
 QCOLL_INLINE auto code_values(const math::GroupParams& p, bool sym) {
   if constexpr (kF == CodeFormat::kFp8E4M3) {
     const float* table = fp8_e4m3_values();
-    return [p, table](uint8_t b) { return math::mul(table[b], p.scale); };
+    return [p, table](uint8_t b) QCOLL_LAMBDA { return math::mul(table[b], p.scale); };
   } else {
-    return [p, sym](uint8_t b) { return math::decode_value(b, p, kF, sym); };
+    return [p, sym](uint8_t b) QCOLL_LAMBDA { return math::decode_value(b, p, kF, sym); };
   }
 }
 
@@ -181,31 +236,58 @@ QCOLL_INLINE void decode_chunk_as(const uint8_t* in, int64_t m, const math::Grou
 
 QCOLL_INLINE void decode_chunk(const uint8_t* in, int64_t m, const math::GroupParams& p,
                                CodeFormat format, bool sym, float* out) {
-  with_format(format, [&](auto f) { decode_chunk_as<decltype(f)::value>(in, m, p, sym, out); });
+  with_format(format, [&](auto f) QCOLL_LAMBDA { decode_chunk_as<decltype(f)::value>(in, m, p, sym, out); });
 }
 
-// Hadamard smoothing (quant_math.h) of the whole blocks of `size` elements among x[0, m), in
-// place. x starts on a block boundary of its run, and m is a multiple of size except at the
-// run's end, whose partial block stays untransformed. The non-finite values an overflowing
-// sum may produce are left to the callers' stores, which canonicalize NaN.
-QCOLL_INLINE void hadamard_blocks(float* x, int64_t m, int size) {
-  m -= m % size;
-  for (int64_t i = 0; i < m; i += 8) math::hadamard8(x + i);
+// One packet of 8 floats as a vector (a ymm with AVX2 / AVX-512, two xmm otherwise).
+typedef float Vec8f __attribute__((vector_size(32)));
+typedef int32_t Vec8i __attribute__((vector_size(32)));
+
+QCOLL_INLINE Vec8f load8(const float* p) {
+  Vec8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+QCOLL_INLINE void store8(float* p, Vec8f v) { std::memcpy(p, &v, sizeof v); }
+
+// The stage of stride kStride < 8 of math::hadamard8 on a packet, as a shuffle and adds:
+// each lane gets mine + partner (lower) or partner - mine (upper), hadamard8's operations.
+template <int kStride>
+QCOLL_INLINE Vec8f hadamard_stage(Vec8f v) {
+  constexpr int s = kStride;
+  const Vec8i partner = {0 ^ s, 1 ^ s, 2 ^ s, 3 ^ s, 4 ^ s, 5 ^ s, 6 ^ s, 7 ^ s};
+  const Vec8i upper = {0 & s, 1 & s, 2 & s, 3 & s, 4 & s, 5 & s, 6 & s, 7 & s};
+  const Vec8f w = __builtin_shuffle(v, partner);
+  return upper != 0 ? w - v : v + w;
+}
+
+// Hadamard smoothing (quant_math.h) of the whole blocks of `size` elements among src[0, m),
+// into x (which may be src). src starts on a block boundary of its run, and m is a multiple
+// of size except at the run's end, whose partial block is copied untransformed. Whole-packet
+// vector operations, in quant_math.h's stage order. The non-finite values an overflowing sum
+// may produce are left to the callers' stores, which canonicalize NaN.
+QCOLL_INLINE void hadamard_blocks(const float* src, float* x, int64_t m, int size) {
+  const int64_t whole = m - m % size;
+  if (src != x) std::memcpy(x + whole, src + whole, static_cast<size_t>(m - whole) * 4);
+  m = whole;
+  for (int64_t i = 0; i < m; i += 8)
+    store8(x + i, hadamard_stage<4>(hadamard_stage<2>(hadamard_stage<1>(load8(src + i)))));
   for (int64_t s = 8; s < size; s *= 2)
     for (int64_t b = 0; b < m; b += 2 * s)
-      for (int64_t i = b; i < b + s; ++i) {
-        const float lo = x[i], hi = x[i + s];
-        x[i] = math::add(lo, hi);
-        x[i + s] = math::sub(lo, hi);
+      for (int64_t j = b; j < b + s; j += 8) {
+        const Vec8f lo = load8(x + j), hi = load8(x + j + s);
+        store8(x + j, lo + hi);
+        store8(x + j + s, lo - hi);
       }
   const float norm = math::hadamard_norm(size);
-  for (int64_t i = 0; i < m; ++i) x[i] = math::mul(x[i], norm);
+  for (int64_t i = 0; i < m; i += 8) store8(x + i, load8(x + i) * norm);
 }
+
+QCOLL_INLINE void hadamard_blocks(float* x, int64_t m, int size) { hadamard_blocks(x, x, m, size); }
 
 // The transformed copy of m values in buf (which x may be already): buf itself.
 QCOLL_INLINE float* hadamard_into(const float* x, int64_t m, int size, float* buf) {
-  if (x != buf) std::memcpy(buf, x, static_cast<size_t>(m) * 4);
-  hadamard_blocks(buf, m, size);
+  hadamard_blocks(x, buf, m, size);
   return buf;
 }
 

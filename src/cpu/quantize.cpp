@@ -1,7 +1,9 @@
 // CPU block quantize / dequantize. Each group is processed in chunks of kChunk elements
 // (converted to fp32 in a stack buffer unless already fp32) by the group encoder of
-// quant_loops.h: pass 1 gathers the group's statistics, pass 2 codes it. Groups are
-// independent, so OpenMP gives each thread one contiguous range of groups.
+// quant_loops.h: pass 1 gathers the group's statistics, pass 2 codes it (from the same
+// chunk, still in L1, for groups of up to kChunk elements). Groups are independent, so
+// OpenMP gives each thread one contiguous range of groups; each range runs the ISA variant
+// of its driver (cpu/isa.h), specialised once per call on dtype, format and symmetry.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -17,10 +19,11 @@ namespace {
 
 constexpr int64_t kChunk = 1024;  // multiple of 8, so int4 chunks start on whole bytes
 static_assert(kChunk % kMaxHadamardSize == 0, "chunks hold whole Hadamard blocks");
-QCOLL_INLINE void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key) {
-  alignas(64) float buf[kChunk];
+
+template <DType kT, CodeFormat kF, bool kSym>
+QCOLL_INLINE void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key, float* buf) {
   const QuantSpec& spec = a.spec;
-  const size_t esize = dtype_size(a.dtype);
+  constexpr int64_t esize = static_cast<int64_t>(dtype_size(kT));
   const int64_t begin = g * spec.group_size;
   const int64_t len = std::min(spec.group_size, a.n - begin);
   const char* src = static_cast<const char*>(a.input) + begin * esize;
@@ -28,37 +31,37 @@ QCOLL_INLINE void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key)
   // The values of elements [c, c + m) of the group: Hadamard-transformed in buf when asked
   // (chunks start on block boundaries: kChunk is a multiple of kMaxHadamardSize).
   const int hadamard = spec.hadamard_size;
-  const auto values = [&](int64_t c, int64_t m) __attribute__((always_inline)) {
-    const float* x = as_float(src + c * esize, a.dtype, m, buf);
+  const auto values = [&](int64_t c, int64_t m) QCOLL_LAMBDA {
+    const float* x = as_float(src + c * esize, kT, m, buf);
     return hadamard ? hadamard_into(x, m, hadamard, buf) : x;
   };
   const bool stochastic = spec.rounding == Rounding::kStochastic;
-  const math::GroupParams p = encode_group(
-      len, kChunk, spec.format, spec.symmetric, values,
+  const math::GroupParams p = encode_group<kF, kSym>(
+      len, kChunk, values,
       [&](const float* x, int64_t c, int64_t m,
-          const math::GroupParams& q) __attribute__((always_inline)) {
-        code_piece(x, m, q, spec.format, spec.symmetric, stochastic, key,
-                   a.index_base + static_cast<uint64_t>(begin + c),
-                   a.codes + code_bytes(begin + c, spec.format));
+          const math::GroupParams& q) QCOLL_LAMBDA {
+        code_piece<kF, kSym>(x, m, q, stochastic, key,
+                             a.index_base + static_cast<uint64_t>(begin + c),
+                             a.codes + code_bytes(begin + c, kF));
       });
   a.scales[g] = p.scale;
-  if (!spec.symmetric) a.offsets[g] = p.offset;
+  if (!kSym) a.offsets[g] = p.offset;
 }
 
-QCOLL_INLINE void dequantize_group(const DequantizeArgs& a, int64_t g) {
-  alignas(64) float buf[kChunk];
-  const size_t esize = dtype_size(a.dtype);
+template <DType kT, CodeFormat kF>
+QCOLL_INLINE void dequantize_group(const DequantizeArgs& a, int64_t g, bool sym, float* buf) {
+  constexpr int64_t esize = static_cast<int64_t>(dtype_size(kT));
   const int64_t begin = g * a.group_size;
   const int64_t len = std::min(a.group_size, a.n - begin);
-  const math::GroupParams p{a.scales[g], a.symmetric ? 0.0f : a.offsets[g]};
+  const math::GroupParams p{a.scales[g], sym ? 0.0f : a.offsets[g]};
   char* dst = static_cast<char*>(a.output) + begin * esize;
 
   for (int64_t c = 0; c < len; c += kChunk) {
     const int64_t m = std::min(kChunk, len - c);
-    const uint8_t* in = a.codes + code_bytes(begin + c, a.format);
-    if (a.dtype == DType::kFloat32) {
+    const uint8_t* in = a.codes + code_bytes(begin + c, kF);
+    if constexpr (kT == DType::kFloat32) {
       float* out = reinterpret_cast<float*>(dst + c * esize);
-      decode_chunk(in, m, p, a.format, a.symmetric, out);
+      decode_chunk_as<kF>(in, m, p, sym, out);
       if (a.hadamard_size) hadamard_blocks(out, m, a.hadamard_size);  // the inverse
       // A non-finite group's NaN scale (or offset) makes every value NaN, and an overflowing
       // inverse transform may make some: store CUDA's canonical NaN, as store_from_float
@@ -66,22 +69,42 @@ QCOLL_INLINE void dequantize_group(const DequantizeArgs& a, int64_t g) {
       if (!math::is_finite(p.scale) || !math::is_finite(p.offset) || a.hadamard_size)
         store_from_float(out, DType::kFloat32, m, out);
     } else {
-      decode_chunk(in, m, p, a.format, a.symmetric, buf);
+      decode_chunk_as<kF>(in, m, p, sym, buf);
       if (a.hadamard_size) hadamard_blocks(buf, m, a.hadamard_size);
-      store_from_float(buf, a.dtype, m, dst + c * esize);
+      store_from_float(buf, kT, m, dst + c * esize);
     }
   }
 }
 
-QCOLL_CPU_CLONES
-void quantize_groups(const QuantizeArgs& a, int64_t g0, int64_t g1, uint64_t key) {
-  for (int64_t g = g0; g < g1; ++g) quantize_group(a, g, key);
+QCOLL_INLINE void quantize_range(const QuantizeArgs& a, int64_t g0, int64_t g1, uint64_t key) {
+  alignas(64) float buf[kChunk];
+  with_float_dtype(a.dtype, [&](auto t) QCOLL_LAMBDA {
+    with_format(a.spec.format, [&](auto f) QCOLL_LAMBDA {
+      constexpr DType kT = decltype(t)::value;
+      constexpr CodeFormat kF = decltype(f)::value;
+      if (a.spec.symmetric) {
+        for (int64_t g = g0; g < g1; ++g) quantize_group<kT, kF, true>(a, g, key, buf);
+      } else if constexpr (!format_is_float(kF)) {
+        for (int64_t g = g0; g < g1; ++g) quantize_group<kT, kF, false>(a, g, key, buf);
+      }
+    });
+  });
 }
 
-QCOLL_CPU_CLONES
-void dequantize_groups(const DequantizeArgs& a, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) dequantize_group(a, g);
+QCOLL_INLINE void dequantize_range(const DequantizeArgs& a, int64_t g0, int64_t g1) {
+  alignas(64) float buf[kChunk];
+  with_float_dtype(a.dtype, [&](auto t) QCOLL_LAMBDA {
+    with_format(a.format, [&](auto f) QCOLL_LAMBDA {
+      for (int64_t g = g0; g < g1; ++g)
+        dequantize_group<decltype(t)::value, decltype(f)::value>(a, g, a.symmetric, buf);
+    });
+  });
 }
+
+QCOLL_ISA_VARIANTS(quantize_groups, quantize_range,
+                   (const QuantizeArgs& a, int64_t g0, int64_t g1, uint64_t key), (a, g0, g1, key))
+QCOLL_ISA_VARIANTS(dequantize_groups, dequantize_range,
+                   (const DequantizeArgs& a, int64_t g0, int64_t g1), (a, g0, g1))
 
 }  // namespace
 

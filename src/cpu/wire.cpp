@@ -3,7 +3,8 @@
 //
 // The work items are (chunk, group) pairs for quantized outputs and (chunk, block of
 // kBlock elements) pairs for raw ones; OpenMP gives each thread one contiguous range of
-// them, run by an ISA-cloned driver like the quantize kernels. A group's fp32 values (the
+// them, run by the ISA variant of a driver (cpu/isa.h) like the quantize kernels,
+// specialised once per call on the input dtype and the output code format. A group's fp32 values (the
 // converted input slice, or the sum over sources) are built in a stack buffer of kBlock
 // elements: pass 1 gathers the group's statistics, pass 2 writes the codes from the same
 // buffer. Groups larger than kBlock are done piece by piece, recomputing each piece's
@@ -90,20 +91,20 @@ QCOLL_INLINE void keep_residual(const float* x, int64_t k, const math::GroupPara
 // With a residual (the chunk's, element 0; fill adds it, see ResidualFill) the group's
 // residual is replaced by what its codes lose; tmp: kBlock floats of scratch, free while
 // codes are written.
-template <typename Fill>
+template <CodeFormat kF, typename Fill>
 QCOLL_INLINE void encode_chunk_group(uint8_t* chunk, const WireFormat& fmt, int64_t len,
                                      int64_t g, float* buf, const Fill& fill,
                                      float* residual = nullptr, float* tmp = nullptr) {
   const int64_t begin = g * fmt.group_size;
   const int64_t m = std::min(fmt.group_size, len - begin);
-  uint8_t* codes = chunk + code_bytes(begin, fmt.format);
-  const math::GroupParams p = encode_group(
-      m, kBlock, fmt.format, /*symmetric=*/true,
-      [&](int64_t c, int64_t k) __attribute__((always_inline)) { return fill(begin + c, k, buf); },
+  uint8_t* codes = chunk + code_bytes(begin, kF);
+  const math::GroupParams p = encode_group<kF, /*kSym=*/true>(
+      m, kBlock,
+      [&](int64_t c, int64_t k) QCOLL_LAMBDA { return fill(begin + c, k, buf); },
       [&](const float* x, int64_t c, int64_t k,
-          const math::GroupParams& q) __attribute__((always_inline)) {
-        uint8_t* out = codes + code_bytes(c, fmt.format);
-        code_piece(x, k, q, fmt.format, /*symmetric=*/true, /*stochastic=*/false, 0, 0, out);
+          const math::GroupParams& q) QCOLL_LAMBDA {
+        uint8_t* out = codes + code_bytes(c, kF);
+        code_piece<kF, true>(x, k, q, /*stochastic=*/false, 0, 0, out);
         // Pass 1 read every piece's old residual before pass 2 replaces any.
         if (residual) keep_residual(x, k, q, fmt.format, out, residual + begin + c, tmp);
       });
@@ -160,26 +161,28 @@ Plan plan(int64_t items, int64_t len, const WireFormat* fmt) {
 }
 
 // ---- encode -----------------------------------------------------------------------------------
+template <DType kT>
 struct SliceFill {  // the input slice of one chunk, as fp32
   const char* src;
-  DType dtype;
   QCOLL_INLINE const float* operator()(int64_t e, int64_t k, float* buf) const {
-    return as_float(src + e * static_cast<int64_t>(dtype_size(dtype)), dtype, k, buf);
+    return as_float(src + e * static_cast<int64_t>(dtype_size(kT)), kT, k, buf);
   }
 };
 
+// kF: the output format (quantized chunks only; raw ones ignore it).
+template <DType kT, CodeFormat kF>
 QCOLL_INLINE void encode_unit(const EncodeArgs& a, const Plan& pl, int64_t u, float* buf) {
   const int64_t k = u / pl.per_item;
   const int64_t g = u % pl.per_item;
-  const int64_t esize = static_cast<int64_t>(dtype_size(a.dtype));
+  constexpr int64_t esize = static_cast<int64_t>(dtype_size(kT));
   const int64_t p = swizzled_partition(k, a.node_size, a.nodes);
   const char* src =
       static_cast<const char*>(a.input) + (p * a.partition_elems + a.slice_begin) * esize;
   uint8_t* chunk = a.output + k * a.chunk_stride;
-  const SliceFill fill{src, a.dtype};
+  const SliceFill<kT> fill{src};
   if (a.fmt.quantized()) {
-    encode_chunk_group(chunk, a.fmt, a.len, g, buf,
-                       HadamardFill<SliceFill>{fill, a.fmt.hadamard_size});
+    encode_chunk_group<kF>(chunk, a.fmt, a.len, g, buf,
+                           HadamardFill<SliceFill<kT>>{fill, a.fmt.hadamard_size});
   } else if (a.dtype == a.fmt.raw_dtype) {  // a copy
     const int64_t begin = g * kBlock;
     const int64_t m = std::min(kBlock, a.len - begin);
@@ -190,11 +193,22 @@ QCOLL_INLINE void encode_unit(const EncodeArgs& a, const Plan& pl, int64_t u, fl
   if (g == pl.per_item - 1) zero_padding(chunk, a.fmt, a.len);
 }
 
-QCOLL_CPU_CLONES
-void encode_units(const EncodeArgs& a, const Plan& pl, int64_t u0, int64_t u1) {
-  alignas(64) float buf[kBlock];
-  for (int64_t u = u0; u < u1; ++u) encode_unit(a, pl, u, buf);
+// The code format the drivers specialise on: int8 stands in where no codes are written.
+QCOLL_INLINE CodeFormat code_format_of(const WireFormat* fmt) {
+  return fmt && fmt->quantized() ? fmt->format : CodeFormat::kInt8;
 }
+
+QCOLL_INLINE void encode_range(const EncodeArgs& a, const Plan& pl, int64_t u0, int64_t u1) {
+  alignas(64) float buf[kBlock];
+  with_float_dtype(a.dtype, [&](auto t) QCOLL_LAMBDA {
+    with_format(code_format_of(&a.fmt), [&](auto f) QCOLL_LAMBDA {
+      for (int64_t u = u0; u < u1; ++u)
+        encode_unit<decltype(t)::value, decltype(f)::value>(a, pl, u, buf);
+    });
+  });
+}
+QCOLL_ISA_VARIANTS(encode_units, encode_range,
+                   (const EncodeArgs& a, const Plan& pl, int64_t u0, int64_t u1), (a, pl, u0, u1))
 
 // ---- reduce -----------------------------------------------------------------------------------
 // The sum over sources (in order, fp32) of elements [e, e + k) of output o, divided by the
@@ -220,7 +234,7 @@ struct SumFill {
           if (s == 0)
             decode_chunk(codes, j - i, math::GroupParams{scale, 0.0f}, fmt.format, true, acc + (i - e));
           else
-            with_format(fmt.format, [&](auto f) {
+            with_format(fmt.format, [&](auto f) QCOLL_LAMBDA {
               decode_add<decltype(f)::value>(codes, j - i, scale, acc + (i - e));
             });
           i = j;
@@ -244,6 +258,7 @@ struct SumFill {
   }
 };
 
+template <CodeFormat kF>  // the output format (quantized outputs only)
 QCOLL_INLINE void reduce_unit(const ReduceArgs& a, const Plan& pl, int64_t u, float* buf,
                               float* tmp) {
   const int64_t o = u / pl.per_item;
@@ -260,21 +275,24 @@ QCOLL_INLINE void reduce_unit(const ReduceArgs& a, const Plan& pl, int64_t u, fl
   uint8_t* chunk = a.out_wire + o * a.out_chunk_stride;
   if (a.residual) {  // quantized (wire.cpp checks); tmp is free once the sum is in buf
     float* residual = a.residual + o * a.residual_stride;
-    encode_chunk_group(chunk, a.out_fmt, a.len, g, buf,
-                       ResidualFill<decltype(fill)>{fill, residual}, residual, tmp);
+    encode_chunk_group<kF>(chunk, a.out_fmt, a.len, g, buf,
+                           ResidualFill<decltype(fill)>{fill, residual}, residual, tmp);
   } else if (a.out_fmt.quantized())
-    encode_chunk_group(chunk, a.out_fmt, a.len, g, buf, fill);
+    encode_chunk_group<kF>(chunk, a.out_fmt, a.len, g, buf, fill);
   else
     encode_block_raw(chunk, a.out_fmt, a.len, g, buf, fill);
   if (g == pl.per_item - 1) zero_padding(chunk, a.out_fmt, a.len);
 }
 
-QCOLL_CPU_CLONES
-void reduce_units(const ReduceArgs& a, const Plan& pl, int64_t u0, int64_t u1) {
+QCOLL_INLINE void reduce_range(const ReduceArgs& a, const Plan& pl, int64_t u0, int64_t u1) {
   alignas(64) float buf[kBlock];
   alignas(64) float tmp[kBlock];
-  for (int64_t u = u0; u < u1; ++u) reduce_unit(a, pl, u, buf, tmp);
+  with_format(code_format_of(a.out_wire ? &a.out_fmt : nullptr), [&](auto f) QCOLL_LAMBDA {
+    for (int64_t u = u0; u < u1; ++u) reduce_unit<decltype(f)::value>(a, pl, u, buf, tmp);
+  });
 }
+QCOLL_ISA_VARIANTS(reduce_units, reduce_range,
+                   (const ReduceArgs& a, const Plan& pl, int64_t u0, int64_t u1), (a, pl, u0, u1))
 
 }  // namespace
 

@@ -17,6 +17,7 @@
 #include "qcoll/quant_math.h"
 #include "qcoll/wire.h"
 #include "qcoll/wire_header.h"
+#include "cpu/isa.h"
 #include "kernel_bindings.h"
 #include "torch_comm.h"
 #if defined(QCOLL_WITH_CUDA)
@@ -272,7 +273,18 @@ py::dict build_info() {
   d["openmp_threads"] = qcoll::openmp_max_threads();
   d["cuda_available"] = qcoll::cuda_device_count() > 0;
   d["cuda_device_count"] = qcoll::cuda_device_count();
+  d["cpu_isa"] = qcoll::cpu::isa_name(qcoll::cpu::active_isa());
   return d;
+}
+
+// The CPU kernels' ISA path (cpu/isa.h): which one runs, and forcing one (tests).
+std::string cpu_isa() { return qcoll::cpu::isa_name(qcoll::cpu::active_isa()); }
+
+bool set_cpu_isa(const std::string& name) {
+  qcoll::cpu::Isa isa;
+  QCOLL_ARG_CHECK(qcoll::cpu::parse_isa(name.c_str(), &isa),
+                  "cpu isa must be baseline, avx2 or avx512, got ", name);
+  return qcoll::cpu::set_isa(isa);
 }
 
 }  // namespace
@@ -282,6 +294,11 @@ PYBIND11_MODULE(_C, m) {
   qcoll::binding::bind_kernels(
       m, [](const auto& args, auto entry) { entry(args); }, /*release_gil=*/true);
   m.def("build_info", &build_info);
+  m.def("cpu_isa", &cpu_isa, "the ISA path the CPU kernels take: baseline, avx2 or avx512");
+  m.def("cpu_isa_best", [] { return std::string(qcoll::cpu::isa_name(qcoll::cpu::best_isa())); },
+        "the widest path this CPU supports (capped by QCOLL_CPU_ISA)");
+  m.def("set_cpu_isa", &set_cpu_isa,
+        "force the CPU kernels' ISA path; False (nothing changed) where the CPU lacks it");
   bind_collectives(m);
   m.attr("GROUP_SIZE_MULTIPLE") = qcoll::kGroupSizeMultiple;
   m.attr("MAX_GROUP_SIZE") = qcoll::kMaxGroupSize;
