@@ -181,13 +181,16 @@ QCOLL_HD float fp8_e4m3_decode(uint8_t b) {
 
 // Stochastic rounding onto the E4M3 grid: v = k * ulp + r with ulp the spacing at |v|
 // (2^-9 below 2^-6); rounds up with probability r / ulp, so E[code] = v. Powers of two
-// make every step exact except the add of u (as for the integer codes).
+// make every step exact except the add of u (as for the integer codes): v / ulp is v times
+// 1 / ulp (2^-5 to 2^9, a power of two too), the same value without a division.
 QCOLL_HD uint8_t fp8_e4m3_encode_stochastic(float v, float u) {
   const uint32_t a = float_bits(v) & 0x7fffffffu;
   const uint32_t e = a < 0x3c800000u ? 0x3c800000u : (a & 0x7f800000u);  // 2^max(exp,-6)
-  const float ulp = bits_float(e - (3u << 23));
+  const uint32_t ulp_bits = e - (3u << 23);
+  const float ulp = bits_float(ulp_bits);
+  const float inv_ulp = bits_float((254u << 23) - ulp_bits);  // exactly 1 / ulp
   // |v| <= 448 after the scale division (up to its rounding); larger values saturate.
-  const float k = floor_f(add(div(a < 0x43e00000u ? v : 0.0f, ulp), u));
+  const float k = floor_f(add(mul(a < 0x43e00000u ? v : 0.0f, inv_ulp), u));
   return a < 0x43e00000u ? fp8_e4m3_encode(mul(k, ulp)) : fp8_e4m3_encode(v);
 }
 

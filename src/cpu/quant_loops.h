@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -239,48 +240,132 @@ QCOLL_INLINE void decode_chunk(const uint8_t* in, int64_t m, const math::GroupPa
   with_format(format, [&](auto f) QCOLL_LAMBDA { decode_chunk_as<decltype(f)::value>(in, m, p, sym, out); });
 }
 
-// One packet of 8 floats as a vector (a ymm with AVX2 / AVX-512, two xmm otherwise).
+// Packets of 8 and 16 floats as vectors (one ymm / zmm with AVX2 / AVX-512; narrower
+// registers otherwise).
 typedef float Vec8f __attribute__((vector_size(32)));
 typedef int32_t Vec8i __attribute__((vector_size(32)));
+typedef float Vec16f __attribute__((vector_size(64)));
+typedef int32_t Vec16i __attribute__((vector_size(64)));
 
-QCOLL_INLINE Vec8f load8(const float* p) {
-  Vec8f v;
+template <typename V>
+QCOLL_INLINE V load_vec(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-QCOLL_INLINE void store8(float* p, Vec8f v) { std::memcpy(p, &v, sizeof v); }
+template <typename V>
+QCOLL_INLINE void store_vec(float* p, V v) { std::memcpy(p, &v, sizeof v); }
 
-// The stage of stride kStride < 8 of math::hadamard8 on a packet, as a shuffle and adds:
-// each lane gets mine + partner (lower) or partner - mine (upper), hadamard8's operations.
-template <int kStride>
-QCOLL_INLINE Vec8f hadamard_stage(Vec8f v) {
-  constexpr int s = kStride;
-  const Vec8i partner = {0 ^ s, 1 ^ s, 2 ^ s, 3 ^ s, 4 ^ s, 5 ^ s, 6 ^ s, 7 ^ s};
-  const Vec8i upper = {0 & s, 1 & s, 2 & s, 3 & s, 4 & s, 5 & s, 6 & s, 7 & s};
-  const Vec8f w = __builtin_shuffle(v, partner);
+// The stage of stride kStride (below the vector's width) of the transform on one vector, as
+// a shuffle and adds: each lane gets mine + partner (lower) or partner - mine (upper), the
+// operations of math::hadamard8 / math::butterfly.
+template <int kStride, typename V, typename I, int... kLane>
+QCOLL_INLINE V hadamard_stage(V v, std::integer_sequence<int, kLane...>) {
+  constexpr I partner = {(kLane ^ kStride)...};
+  constexpr I upper = {(kLane & kStride)...};
+  const V w = __builtin_shuffle(v, partner);
   return upper != 0 ? w - v : v + w;
 }
+template <int kStride, typename V, typename I>
+QCOLL_INLINE V hadamard_stage(V v) {
+  return hadamard_stage<kStride, V, I>(v, std::make_integer_sequence<int, sizeof(V) / 4>{});
+}
+
+// One block of kSize (16 to 256) elements of src, transformed into dst (which may be src):
+// the whole block in kSize / 16 vectors of 16 floats (registers with AVX-512), the stages
+// within a vector as shuffles, the others between vectors, then the norm; quant_math.h's
+// operations in its stage order, so bit-identical to any other schedule.
+template <int kSize>
+QCOLL_INLINE void hadamard_block16(const float* src, float* dst, float norm) {
+  constexpr int kV = kSize / 16;
+  Vec16f r[kV];
+#pragma GCC unroll 16
+  for (int v = 0; v < kV; ++v) {
+    const Vec16f x = load_vec<Vec16f>(src + 16 * v);
+    r[v] = hadamard_stage<8, Vec16f, Vec16i>(hadamard_stage<4, Vec16f, Vec16i>(
+        hadamard_stage<2, Vec16f, Vec16i>(hadamard_stage<1, Vec16f, Vec16i>(x))));
+  }
+#pragma GCC unroll 16
+  for (int s = 1; s < kV; s *= 2)
+#pragma GCC unroll 16
+    for (int j = 0; j < kV; ++j)
+      if (!(j & s)) {
+        const Vec16f lo = r[j], hi = r[j + s];
+        r[j] = lo + hi;
+        r[j + s] = lo - hi;
+      }
+#pragma GCC unroll 16
+  for (int v = 0; v < kV; ++v) store_vec(dst + 16 * v, r[v] * norm);
+}
+
+// The whole blocks of kSize elements among src[0, m) into x. 16-float vectors (kLanes 16,
+// the AVX-512 path): each block in registers as above. 8-float vectors (the AVX2 and
+// baseline paths, whose registers cannot hold a block of 256): a pass per cross-packet
+// stage, the norm folded into the last one.
+template <int kLanes, int kSize>
+QCOLL_INLINE void hadamard_whole(const float* src, float* x, int64_t m, float norm) {
+  if constexpr (kLanes == 16 && kSize >= 16) {
+    for (int64_t i = 0; i < m; i += kSize) hadamard_block16<kSize>(src + i, x + i, norm);
+  } else {
+    const float first = kSize == 8 ? norm : 1.0f;  // the norm in the last stage
+    for (int64_t i = 0; i < m; i += 8) {
+      const Vec8f v = hadamard_stage<4, Vec8f, Vec8i>(hadamard_stage<2, Vec8f, Vec8i>(
+          hadamard_stage<1, Vec8f, Vec8i>(load_vec<Vec8f>(src + i))));
+      store_vec(x + i, kSize == 8 ? v * first : v);
+    }
+    for (int64_t s = 8; s < kSize; s *= 2) {
+      const bool last = 2 * s == kSize;
+      for (int64_t b = 0; b < m; b += 2 * s)
+        for (int64_t j = b; j < b + s; j += 8) {
+          const Vec8f lo = load_vec<Vec8f>(x + j), hi = load_vec<Vec8f>(x + j + s);
+          store_vec(x + j, last ? (lo + hi) * norm : lo + hi);
+          store_vec(x + j + s, last ? (lo - hi) * norm : lo - hi);
+        }
+    }
+  }
+}
+
+template <int kLanes>
+QCOLL_INLINE void hadamard_blocks_as(const float* src, float* x, int64_t m, int size) {
+  const int64_t whole = m - m % size;
+  if (src != x) std::memcpy(x + whole, src + whole, static_cast<size_t>(m - whole) * 4);
+  const float norm = math::hadamard_norm(size);
+  switch (size) {
+    case 8: return hadamard_whole<kLanes, 8>(src, x, whole, norm);
+    case 16: return hadamard_whole<kLanes, 16>(src, x, whole, norm);
+    case 32: return hadamard_whole<kLanes, 32>(src, x, whole, norm);
+    case 64: return hadamard_whole<kLanes, 64>(src, x, whole, norm);
+    case 128: return hadamard_whole<kLanes, 128>(src, x, whole, norm);
+    default: return hadamard_whole<kLanes, 256>(src, x, whole, norm);  // kMaxHadamardSize
+  }
+}
+static_assert(kMaxHadamardSize == 256, "hadamard_blocks_as has a case per size");
 
 // Hadamard smoothing (quant_math.h) of the whole blocks of `size` elements among src[0, m),
 // into x (which may be src). src starts on a block boundary of its run, and m is a multiple
-// of size except at the run's end, whose partial block is copied untransformed. Whole-packet
-// vector operations, in quant_math.h's stage order. The non-finite values an overflowing sum
-// may produce are left to the callers' stores, which canonicalize NaN.
-QCOLL_INLINE void hadamard_blocks(const float* src, float* x, int64_t m, int size) {
-  const int64_t whole = m - m % size;
-  if (src != x) std::memcpy(x + whole, src + whole, static_cast<size_t>(m - whole) * 4);
-  m = whole;
-  for (int64_t i = 0; i < m; i += 8)
-    store8(x + i, hadamard_stage<4>(hadamard_stage<2>(hadamard_stage<1>(load8(src + i)))));
-  for (int64_t s = 8; s < size; s *= 2)
-    for (int64_t b = 0; b < m; b += 2 * s)
-      for (int64_t j = b; j < b + s; j += 8) {
-        const Vec8f lo = load8(x + j), hi = load8(x + j + s);
-        store8(x + j, lo + hi);
-        store8(x + j + s, lo - hi);
-      }
-  const float norm = math::hadamard_norm(size);
-  for (int64_t i = 0; i < m; i += 8) store8(x + i, load8(x + i) * norm);
+// of size except at the run's end, whose partial block is copied untransformed. The
+// non-finite values an overflowing sum may produce are left to the callers' stores, which
+// canonicalize NaN. Out of line, one per ISA path (a call per piece of up to 2048 elements):
+// the register-resident form needs AVX-512's 32 registers, so the drivers' own ISA
+// variants cannot share one inlined body.
+QCOLL_TARGET_AVX512 inline __attribute__((noinline)) void hadamard_blocks_avx512(
+    const float* src, float* x, int64_t m, int size) {
+  hadamard_blocks_as<16>(src, x, m, size);
+}
+QCOLL_TARGET_AVX2 inline __attribute__((noinline)) void hadamard_blocks_avx2(
+    const float* src, float* x, int64_t m, int size) {
+  hadamard_blocks_as<8>(src, x, m, size);
+}
+inline __attribute__((noinline)) void hadamard_blocks_baseline(const float* src, float* x,
+                                                                int64_t m, int size) {
+  hadamard_blocks_as<8>(src, x, m, size);
+}
+inline void hadamard_blocks(const float* src, float* x, int64_t m, int size) {
+  switch (active_isa()) {
+    case Isa::kAvx512: return hadamard_blocks_avx512(src, x, m, size);
+    case Isa::kAvx2: return hadamard_blocks_avx2(src, x, m, size);
+    default: return hadamard_blocks_baseline(src, x, m, size);
+  }
 }
 
 QCOLL_INLINE void hadamard_blocks(float* x, int64_t m, int size) { hadamard_blocks(x, x, m, size); }
