@@ -25,6 +25,14 @@ int openmp_max_threads() {
 #endif
 }
 
+void set_openmp_threads(int threads) {
+#if defined(_OPENMP)
+  if (threads >= 1 && threads != omp_get_max_threads()) omp_set_num_threads(threads);
+#else
+  (void)threads;
+#endif
+}
+
 #if !defined(QCOLL_WITH_CUDA)
 std::unique_ptr<StreamLanes> make_stream_lanes(const Device&) {
   QCOLL_ARG_CHECK(false, "CUDA stream lanes requested but qcoll was built without CUDA");

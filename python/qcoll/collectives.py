@@ -144,11 +144,10 @@ def _run(what: str, group: Group, input: torch.Tensor, output: torch.Tensor, wor
         finally:
             group._buffers.clear()
 
-    work = Work(group._calls.submit(run, describe), traffic=traffic)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    if not async_op:
+        group._calls.call(run, describe)
+        return None
+    return Work(group._calls.submit(run, describe), traffic=traffic)
 
 
 def _workspace(group: Group, nbytes: int) -> torch.Tensor:
