@@ -82,6 +82,18 @@ class ProcessGroupTransport:
             recv.div_(self.size)
 
 
+    def all_reduce(self, buf_id, offset, count, dtype_code, op):
+        values = self.buffers.typed(buf_id, offset, count, dtype_code)
+        native_avg = op == _AVG and self.is_nccl
+        try:
+            dist.all_reduce(values, op=dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM,
+                            group=self.pg)
+        except Exception as exc:  # noqa: BLE001
+            raise self._failed("all-reduce", exc) from exc
+        if op == _AVG and not native_avg:
+            values.div_(self.size)
+
+
 class SelfTransport:
     """A group of one rank: every exchange is a local copy."""
 
@@ -92,6 +104,9 @@ class SelfTransport:
         self.buffers.bytes(recv_id, recv_off, nbytes).copy_(self.buffers.bytes(send_id, send_off, nbytes))
 
     all_gather = all_to_all
+
+    def all_reduce(self, buf_id, offset, count, dtype_code, op):
+        pass  # one rank: the values are the result
 
     def reduce_scatter(self, send_id, send_off, recv_id, recv_off, count, dtype_code, op):
         recv = self.buffers.typed(recv_id, recv_off, count, dtype_code)

@@ -16,6 +16,7 @@ import torch
 from . import _C
 from ._dtypes import dtype_code
 from .collectives import (
+    OPS,
     _allgather_core,
     _carve,
     _check_bits,
@@ -39,6 +40,11 @@ from .group import resolve_group
 from .quantization import check_group_size
 
 _WHAT = "quantized_all_reduce"
+# bits=None bf16/fp16 all-reduces below this many bytes go through the transport's fp32
+# all-reduce (one exchange, twice the bytes); larger ones through the 2-hop reduce-scatter
+# (fp32 partial sums across nodes) and an all-gather, which move fewer bytes. Either way
+# the sum is fp32 and rounded once. Measured: bench/results/sizes-*.json.
+_UPCAST_MAX_BYTES = 1 << 20
 
 
 def _check_tensor(tensor) -> int:
@@ -65,7 +71,10 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     2. all-gather of the shards at `inter_bits or bits` when the group spans nodes (bits on
        one node): every rank, the shard's owner too, decodes the same bytes, so the result
        is bit-identical on every rank.
-    bits=None sends the tensor's dtype (exact up to fp32 summation order for fp32).
+    bits=None (inter_bits None too) is unquantized: on CPU the transport's own all-reduce
+    (gloo's, torch's same call), of fp32 values for bf16/fp16 tensors; either way the sum
+    is fp32 and rounded once to the tensor's dtype, so a bf16/fp16 result is within half an
+    ulp of the fp32 sum of the inputs (gloo's and NCCL's own bf16 sums round at every step).
     error_feedback: a qcoll.ErrorFeedback kept for this tensor (see qcoll.error_feedback):
     the residuals of this rank's input encode, of its partial sums' inter-node re-encode
     (2-hop) and of its shard's all-gather encode.
@@ -84,6 +93,11 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     _debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, _check_bits(bits, "bits"),
                      _check_bits(inter_bits, "inter_bits"), group_size, stages, hierarchical,
                      error_feedback is not None), tensor.device)
+
+    if (bits is None and inter_bits is None and error_feedback is None and tensor.device.type == "cpu"
+            and g.size > 1 and g.communicator(tensor.device).has_all_reduce
+            and (tensor.dtype == torch.float32 or tensor.numel() * tensor.element_size() < _UPCAST_MAX_BYTES)):
+        return _transport_all_reduce(g, tensor, code, op, async_op)
 
     numel = tensor.numel()
     n = -(-numel // size)  # shard elements; the tensor is padded to size * n
@@ -136,6 +150,30 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
             _C.add_traffic(traffic, list(parts), "all_reduce")
 
     return _run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op, extra_comms=extra_comms)
+
+
+def _transport_all_reduce(g, tensor: torch.Tensor, code: int, op: str, async_op: bool):
+    """The transport's all-reduce in one exchange (after the call check): in place for
+    fp32, of an fp32 copy in the workspace for bf16/fp16 (summed in fp32, rounded once)."""
+    upcast = tensor.dtype != torch.float32
+    numel = tensor.numel()
+    check_bytes = (g.size + 1) * _C.CALL_HEADER_BYTES
+    workspace_bytes = check_bytes + (16 + 4 * numel if upcast else 0)
+    flat = tensor.view(-1)
+    wire = _C.DTYPES["float32"] if upcast else code
+
+    def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
+        values = flat
+        if upcast:
+            values, _ = _carve(workspace, check_bytes, numel, torch.float32)
+            values.copy_(flat)
+        g._buffers.set(values, values, workspace)
+        _C.all_reduce_raw(comm, code, wire, OPS[op], numel, values.data_ptr(), workspace.data_ptr(),
+                          traffic, sequence)
+        if upcast:
+            flat.copy_(values)
+
+    return _run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op)
 
 
 __all__ = ["quantized_all_reduce"]

@@ -75,6 +75,7 @@ void bind_collectives(py::module_& m) {
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("size", &Communicator::size)
       .def("is_local", &Communicator::is_local)
+      .def_property_readonly("has_all_reduce", &Communicator::has_all_reduce)
       // Counts a call made outside qcoll (torch's own, e.g. FSDP2's default collectives)
       // under qcoll's accounting rule, so baselines and qcoll are measured alike.
       .def("account", [](const Communicator& c, const std::string& collective, int64_t bytes_per_peer) {
@@ -210,6 +211,19 @@ void bind_collectives(py::module_& m) {
       py::arg("device_index"), py::arg("stream"), py::arg("traffic"), py::arg("sequence"),
       py::arg("lane_stream") = 0, py::arg("collective") = "reduce_scatter",
       py::arg("inter_residual") = 0);
+  m.def(
+      "all_reduce_raw",
+      [](Communicator& comm, int dtype, int wire, int op, int64_t count, uintptr_t values,
+         uintptr_t workspace, qcoll::Traffic& traffic, uint32_t sequence, bool headers) {
+        Counted counted{traffic, counter("all_reduce")};
+        qcoll::all_reduce_raw(count, collective_buffers(values, values, workspace),
+                              static_cast<qcoll::DType>(dtype), static_cast<qcoll::DType>(wire),
+                              static_cast<qcoll::ReduceOp>(op),
+                              comm, device(0, 0, 0), traffic, sequence, headers);
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("comm"), py::arg("dtype"), py::arg("wire"),
+      py::arg("op"), py::arg("count"), py::arg("values"), py::arg("workspace"), py::arg("traffic"),
+      py::arg("sequence"), py::arg("headers") = true);
   m.def("stats", []() {
     py::dict d;
     d["allgather"] = traffic_dict(qcoll::allgather_traffic());
@@ -282,6 +296,8 @@ PYBIND11_MODULE(_C, m) {
   qcoll::binding::bind_kernels(
       m, [](const auto& args, auto entry) { entry(args); }, /*release_gil=*/true);
   m.def("build_info", &build_info);
+  m.def("set_openmp_threads", &qcoll::set_openmp_threads, py::arg("threads"),
+        "The calling thread's OpenMP team size (qcoll's worker threads take the caller's).");
   bind_collectives(m);
   m.attr("GROUP_SIZE_MULTIPLE") = qcoll::kGroupSizeMultiple;
   m.attr("MAX_GROUP_SIZE") = qcoll::kMaxGroupSize;
@@ -289,6 +305,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_HADAMARD_SIZE") = qcoll::kMaxHadamardSize;
   m.attr("MIN_PIPELINE_STAGE_BYTES") = qcoll::kMinPipelineStageBytes;
   m.attr("WIRE_HEADER_BYTES") = qcoll::kHeaderBytes;
+  m.attr("CALL_HEADER_BYTES") = qcoll::kCallHeaderBytes;
   m.attr("DTYPES") = dtype_table();
   m.attr("OPS") = op_table();
   m.attr("FORMATS") = format_table();
