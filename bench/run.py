@@ -15,6 +15,9 @@ Suites:
                without overlap_publish
   error_feedback  int4 gradients with and without qcoll.ErrorFeedback (DDP, convergence
                test's GPT)
+  sizes        qcoll's unquantized collectives (bits=None) vs torch's same call, 1 KB to
+               64 MB, 2 x 2 and 3 x 2 gloo ranks, 2 threads / 1 thread / torchrun's
+               OMP_NUM_THREADS=1: ratio, min / median / max and stalled calls (issue 26)
   fidelity     issue 12's bar: final loss vs an fp32 reference and cross-node bytes of
                ZeRO-3, ZeRO++ (+ Hadamard) and SDP4Bit (stage 2, qWD) on the convergence
                test's language model
@@ -40,7 +43,7 @@ import torch  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 import qcoll  # noqa: E402
-from suites import cluster, collectives, error_feedback, fidelity, group_size, kernels, zero  # noqa: E402
+from suites import cluster, collectives, error_feedback, fidelity, group_size, kernels, sizes, zero  # noqa: E402
 from timing import parse_sizes  # noqa: E402
 
 # Each suite module provides run(quick, progress, **options) -> dict, table(result) -> lines,
@@ -53,6 +56,7 @@ SUITES = {
     "zero": zero,
     "error_feedback": error_feedback,
     "fidelity": fidelity,
+    "sizes": sizes,
 }
 OPTIONS = {  # suite -> the options of this command line it understands
     "kernels": {"sizes", "device"},
@@ -62,6 +66,7 @@ OPTIONS = {  # suite -> the options of this command line it understands
     "zero": {"link", "tiny", "dtype", "ddp", "stage2"},
     "error_feedback": set(),
     "fidelity": {"tiny"},
+    "sizes": {"sizes"},
 }
 
 
