@@ -25,11 +25,14 @@ int openmp_max_threads() {
 #endif
 }
 
-void set_openmp_threads(int threads) {
+int set_openmp_threads(int threads) {
 #if defined(_OPENMP)
-  if (threads >= 1 && threads != omp_get_max_threads()) omp_set_num_threads(threads);
+  const int previous = omp_get_max_threads();
+  if (threads >= 1 && threads != previous) omp_set_num_threads(threads);
+  return previous;
 #else
   (void)threads;
+  return 1;
 #endif
 }
 

@@ -41,6 +41,9 @@ def _inputs(world, numel, dtype):
 
 
 def _worker(rank, world, node_size, dtype, n, ar_numels):
+    import sys
+
+    sys.modules["qcoll.all_reduce"]._UPCAST_CHUNK = 1000  # several fp32 parts per call
     g = qcoll.new_group(node_size=node_size)
     inputs = _inputs(world, world * n, dtype)
     report = {}
@@ -53,8 +56,10 @@ def _worker(rank, world, node_size, dtype, n, ar_numels):
         for numel in ar_numels:
             xs = _inputs(world, numel, dtype)
             x = xs[rank].clone()
+            qcoll.reset_stats()
             qcoll.quantized_all_reduce(x, g, op=op, bits=None)
             report[f"ar {numel} {op}"] = over_half_ulp(x, xs, div)
+            report[f"ar {numel} {op} stats"] = qcoll.stats()["all_reduce"]
     # gloo's own bf16 sum, for contrast (not asserted on: it is what qcoll does better).
     theirs = torch.empty(n, dtype=dtype)
     dist.reduce_scatter_tensor(theirs, inputs[rank], op=dist.ReduceOp.SUM)
@@ -66,13 +71,19 @@ def _worker(rank, world, node_size, dtype, n, ar_numels):
 @pytest.mark.parametrize("world,node_size", [(4, 2), (6, 2)])
 def test_bits_none_rounds_once(world, node_size, dtype):
     n = 4099
-    # 1 MB and up (bf16/fp16) goes through the 2-hop reduce-scatter and an all-gather,
-    # smaller through the transport's fp32 all-reduce (all_reduce._UPCAST_MAX_BYTES).
-    ar = (1001, (1 << 20) // 2 + 77) if world == 4 else (1001,)
-    reports = run_ranks(world, _worker, node_size, dtype, n, ar, timeout=120)
+    # The all-reduce sums fp32 copies, 1000 elements at a time here: one part, and five.
+    reports = run_ranks(world, _worker, node_size, dtype, n, (999, 4099), timeout=120)
     nodes = world // node_size
     for rank, rep in enumerate(reports):
         for key, value in rep.items():
+            if key.startswith("ar") and key.endswith("stats"):  # one call, its fp32 bytes
+                numel = int(key.split()[1])
+                shards = sum(-(-min(1000, numel - b) // world) for b in range(0, numel, 1000))
+                # fp32 reduce-scatter + all-gather of each part, and the call header (each
+                # of these calls is its signature's first)
+                assert value["calls"] == 1 and value["inter_bytes"] == (world - node_size) * (
+                    2 * 4 * shards + 32), (key, value)
+                continue
             if key == "gloo" or key.endswith("stats"):
                 continue
             assert value <= 1.0, f"rank {rank} {key}: {value:.2f} half-ulps from the exact result"

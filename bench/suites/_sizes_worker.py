@@ -14,10 +14,15 @@ import json
 import sys
 import time
 
+import os
+
 import torch
 import torch.distributed as dist
 
 import qcoll
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from timing import _busy_seconds, _own_seconds  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TORCH_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,9 +55,14 @@ def calls(collective: str, size: int, dtype, world: int, group, rank: int) -> di
             "torch": torch_rs}
 
 
+# Barriers and the reductions of times run on a group of their own: a barrier on torch's
+# group (the baseline's) would leave its threads and sockets warm for the block after it.
+SYNC = None
+
+
 def slowest(values: list) -> list:
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=SYNC)
     return t.tolist()
 
 
@@ -69,18 +79,24 @@ def measure(fns: dict, blocks: int, budget_s: float) -> dict:
     times = {name: [] for name in fns}
     totals = {name: [] for name in fns}
     order = list(fns)
+    wall0, busy0, own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
     for b in range(blocks):
         for name in (order if b % 2 == 0 else order[::-1]):
             fn = fns[name]
-            dist.barrier()
+            dist.barrier(group=SYNC)
             start = time.perf_counter()
             for _ in range(k):
                 c0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - c0)
             totals[name].append(time.perf_counter() - start)
+    # CPU that processes other than the ranks used meanwhile, in cores (machine-wide).
+    wall, busy = time.perf_counter() - wall0, _busy_seconds() - busy0
+    own = torch.tensor([_own_seconds() - own0], dtype=torch.float64)
+    dist.all_reduce(own, group=SYNC)
+    others = max(0.0, busy - own.item()) / wall
     return {name: {"calls_s": slowest(times[name]), "blocks_s": slowest(totals[name]),
-                   "calls_per_block": k} for name in fns}
+                   "calls_per_block": k, "other_cores": slowest([others])[0]} for name in fns}
 
 
 def main() -> None:
@@ -90,6 +106,8 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{cfg['store']}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=cfg.get("timeout_s", 300)))
     group = qcoll.new_group(node_size=cfg["node_size"], backend="torch")
+    global SYNC
+    SYNC = dist.new_group(backend="gloo")
     cells, done = [], 0
     for dtype_name, size, collective in cfg["cells"]:
         fns = calls(collective, size, DTYPES[dtype_name], world, group, rank)

@@ -61,7 +61,8 @@ def _launch(world: int, node_size: int, mode: str, cells: list, blocks: int, bud
                    collective=c["collective"], calls=len(q["calls_s"]),
                    ratio=sum(q["blocks_s"]) / sum(t["blocks_s"]),
                    qcoll_per_call_s=sum(q["blocks_s"]) / len(q["calls_s"]),
-                   torch_per_call_s=sum(t["blocks_s"]) / len(t["calls_s"]))
+                   torch_per_call_s=sum(t["blocks_s"]) / len(t["calls_s"]),
+                   other_cores=q.get("other_cores", 0.0))
         for name, d in (("qcoll", q), ("torch", t)):
             row[f"{name}_min_s"] = min(d["calls_s"])
             row[f"{name}_median_s"] = statistics.median(d["calls_s"])
@@ -131,14 +132,14 @@ def targets(rows: list) -> dict:
 
 def table(result: dict) -> list:
     lines = [f"{'layout':7}{'mode':11}{'dtype':6}{'collective':15}{'size':>9}{'ratio':>7}"
-             f"{'qcoll min/med/max ms':>24}{'torch min/med/max ms':>24}{'stalls q/t':>11}"]
+             f"{'qcoll min/med/max ms':>24}{'torch min/med/max ms':>24}{'stalls q/t':>11}{'others':>7}"]
     for r in result["rows"]:
         q = "/".join(f"{r[f'qcoll_{k}_s'] * 1e3:.1f}" for k in ("min", "median", "max"))
         t = "/".join(f"{r[f'torch_{k}_s'] * 1e3:.1f}" for k in ("min", "median", "max"))
         mark = " *" if r["ratio"] > limit(r["bytes"]) else ""
         lines.append(f"{r['world'] // r['node_size']}x{r['node_size']:<5}{r['mode']:11}{r['dtype']:6}"
                      f"{r['collective']:15}{human_bytes(r['bytes']):>9}{r['ratio']:7.2f}{q:>24}{t:>24}"
-                     f"{r['qcoll_stalls']:>6}/{r['torch_stalls']}{mark}")
+                     f"{r['qcoll_stalls']:>6}/{r['torch_stalls']:<4}{r.get('other_cores', 0):5.2f}{mark}")
     for name, t in result["targets"].items():
         lines.append(f"target {name}: {'met' if t['met'] else 'MISSED'} {t}")
     return lines

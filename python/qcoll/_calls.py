@@ -95,13 +95,17 @@ class CallQueue:
     to another thread and back cost more than a small call on a loaded machine). It holds no
     reference to its Group, so a dropped Group is freed (and its finalizer closes the queue).
 
-    A call runs its kernels with the OpenMP team size of the thread that issued it: the
-    worker thread would otherwise keep the process default (every core), and its idle team
-    then spin-waits on the cores the other ranks need (issue 26: 6x slower calls under
-    torch.set_num_threads(1), i.e. under torchrun)."""
+    A call runs its kernels with the OpenMP team size of the thread that issued it, at most
+    `max_threads` (this rank's share of its host's cores). After each parallel region,
+    libgomp's idle team threads spin (its default active wait) on cores that the host's
+    other ranks need to progress the exchange that follows: calls then stall for tens of ms
+    (issue 26). A team no larger than the rank's share of cores spins on no one's core; and
+    a new thread would otherwise start from the process default (every core), ignoring
+    torch.set_num_threads(1) (torchrun's OMP_NUM_THREADS=1 reaches it: 6x slower calls)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, max_threads: int = 1 << 16):
         self._name = name
+        self._max_threads = max(1, max_threads)
         self._tasks: "queue.SimpleQueue" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._running = threading.Lock()  # held by whichever thread runs a call
@@ -119,7 +123,7 @@ class CallQueue:
 
     def submit(self, run: Callable[[], None], describe: str) -> Future:
         """Queue `run`; its error (wrapped to name `describe`) is set on the Future."""
-        threads = torch.get_num_threads()
+        threads = min(_C.openmp_threads(), self._max_threads)
         with self._lock:
             self._refuse(describe)
             if self._thread is None:
@@ -141,10 +145,12 @@ class CallQueue:
         if not inline:
             self.submit(run, describe).result()
             return
+        previous = _C.set_openmp_threads(min(_C.openmp_threads(), self._max_threads))
         try:
             with self._running:
                 error = self._execute(run, describe)
         finally:
+            _C.set_openmp_threads(previous)  # the caller's own setting, for its own ops
             with self._lock:
                 self._pending -= 1
         if error is not None:

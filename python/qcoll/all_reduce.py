@@ -40,11 +40,11 @@ from .group import resolve_group
 from .quantization import check_group_size
 
 _WHAT = "quantized_all_reduce"
-# bits=None bf16/fp16 all-reduces below this many bytes go through the transport's fp32
-# all-reduce (one exchange, twice the bytes); larger ones through the 2-hop reduce-scatter
-# (fp32 partial sums across nodes) and an all-gather, which move fewer bytes. Either way
-# the sum is fp32 and rounded once. Measured: bench/results/sizes-*.json.
-_UPCAST_MAX_BYTES = 1 << 20
+# A bits=None bf16/fp16 all-reduce goes through the transport's fp32 all-reduce, this many
+# elements at a time (a 64 MB fp32 workspace at most): twice the bytes of a bf16 ring, but
+# one exchange; a reduce-scatter (fp32 partial sums across nodes) then an all-gather moved
+# fewer bytes and ran 1.45x torch's bf16 all-reduce (bench/results/sizes-*.json).
+_UPCAST_CHUNK = 1 << 24
 
 
 def _check_tensor(tensor) -> int:
@@ -95,8 +95,7 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
                      error_feedback is not None), tensor.device)
 
     if (bits is None and inter_bits is None and error_feedback is None and tensor.device.type == "cpu"
-            and g.size > 1 and g.communicator(tensor.device).has_all_reduce
-            and (tensor.dtype == torch.float32 or tensor.numel() * tensor.element_size() < _UPCAST_MAX_BYTES)):
+            and g.size > 1 and g.communicator(tensor.device).has_all_reduce):
         return _transport_all_reduce(g, tensor, code, op, async_op)
 
     numel = tensor.numel()
@@ -154,24 +153,35 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
 
 def _transport_all_reduce(g, tensor: torch.Tensor, code: int, op: str, async_op: bool):
     """The transport's all-reduce in one exchange (after the call check): in place for
-    fp32, of an fp32 copy in the workspace for bf16/fp16 (summed in fp32, rounded once)."""
+    fp32; for bf16/fp16 of fp32 copies in the workspace, _UPCAST_CHUNK elements at a time
+    (summed in fp32, rounded once)."""
     upcast = tensor.dtype != torch.float32
     numel = tensor.numel()
     check_bytes = (g.size + 1) * _C.CALL_HEADER_BYTES
-    workspace_bytes = check_bytes + (16 + 4 * numel if upcast else 0)
+    chunk = min(numel, _UPCAST_CHUNK) if upcast else numel
+    workspace_bytes = check_bytes + (16 + 4 * chunk if upcast else 0)
     flat = tensor.view(-1)
     wire = _C.DTYPES["float32"] if upcast else code
 
     def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
-        values = flat
-        if upcast:
-            values, _ = _carve(workspace, check_bytes, numel, torch.float32)
-            values.copy_(flat)
-        g._buffers.set(values, values, workspace)
-        _C.all_reduce_raw(comm, code, wire, OPS[op], numel, values.data_ptr(), workspace.data_ptr(),
-                          traffic, sequence)
-        if upcast:
-            flat.copy_(values)
+        if not upcast or numel <= chunk:
+            parts = [(0, numel, traffic, "all_reduce")]
+        else:  # parts counted as one call (add_traffic below)
+            parts = [(b, min(chunk, numel - b), _C.Traffic(), "none") for b in range(0, numel, chunk)]
+        try:
+            for begin, count, part, collective in parts:
+                values = flat[begin:begin + count]
+                if upcast:
+                    values, _ = _carve(workspace, check_bytes, count, torch.float32)
+                    values.copy_(flat[begin:begin + count])
+                g._buffers.set(values, values, workspace)
+                _C.all_reduce_raw(comm, code, wire, OPS[op], count, values.data_ptr(), workspace.data_ptr(),
+                                  part, sequence, numel if begin == 0 else -1, collective)
+                if upcast:
+                    flat[begin:begin + count].copy_(values)
+        finally:
+            if len(parts) > 1:
+                _C.add_traffic(traffic, [p[2] for p in parts], "all_reduce")
 
     return _run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op)
 

@@ -97,8 +97,23 @@ def _debug_check(group: Group, meta: tuple, device: torch.device) -> None:
         raise ValueError(f"qcoll: ranks disagree on {meta[0]} arguments:\n{lines}")
 
 
-def _describe(what: str, group: Group, sequence: int) -> str:
-    return f"qcoll.{what} (call {sequence} of the group of global ranks {group.global_ranks})"
+class _Describe:
+    """A call's name for its errors, formatted only when one is raised (a per-call f-string
+    of the group's ranks is a measurable part of a small call)."""
+
+    __slots__ = ("what", "ranks", "sequence")
+
+    def __init__(self, what: str, group: Group, sequence: int):
+        self.what, self.ranks, self.sequence = what, group.global_ranks, sequence  # not the group: no cycle
+
+    def __str__(self) -> str:
+        return f"qcoll.{self.what} (call {self.sequence} of the group of global ranks {self.ranks})"
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
+
+
+def _describe(what: str, group: Group, sequence: int) -> _Describe:
+    return _Describe(what, group, sequence)
 
 
 def _run(what: str, group: Group, input: torch.Tensor, output: torch.Tensor, workspace_bytes: int,

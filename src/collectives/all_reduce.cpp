@@ -8,10 +8,10 @@ namespace qcoll {
 
 void all_reduce_raw(int64_t count, const CollectiveBuffers& b, DType dtype, DType wire, ReduceOp op,
                     Communicator& comm, const Device& device, Traffic& traffic,
-                    uint32_t sequence, bool headers) {
+                    uint32_t sequence, int64_t call_numel) {
   QCOLL_CHECK(comm.has_all_reduce(), "all_reduce_raw needs a transport with an all-reduce");
   traffic.calls += 1;
-  if (headers) {
+  if (call_numel >= 0) {
     CallHeader call;
     call.kind = 3;
     call.dtype = static_cast<uint8_t>(dtype);
@@ -19,7 +19,7 @@ void all_reduce_raw(int64_t count, const CollectiveBuffers& b, DType dtype, DTyp
     call.second_format = static_cast<uint8_t>(wire);
     call.op = static_cast<uint8_t>(op);
     call.sequence = sequence;
-    call.n = count;
+    call.n = call_numel;
     check_call(comm, b.workspace, call, device, traffic);
   }
   if (count == 0) return;

@@ -214,16 +214,17 @@ void bind_collectives(py::module_& m) {
   m.def(
       "all_reduce_raw",
       [](Communicator& comm, int dtype, int wire, int op, int64_t count, uintptr_t values,
-         uintptr_t workspace, qcoll::Traffic& traffic, uint32_t sequence, bool headers) {
-        Counted counted{traffic, counter("all_reduce")};
+         uintptr_t workspace, qcoll::Traffic& traffic, uint32_t sequence, int64_t call_numel,
+         const std::string& collective) {
+        Counted counted{traffic, counter(collective)};
         qcoll::all_reduce_raw(count, collective_buffers(values, values, workspace),
                               static_cast<qcoll::DType>(dtype), static_cast<qcoll::DType>(wire),
                               static_cast<qcoll::ReduceOp>(op),
-                              comm, device(0, 0, 0), traffic, sequence, headers);
+                              comm, device(0, 0, 0), traffic, sequence, call_numel);
       },
       py::call_guard<py::gil_scoped_release>(), py::arg("comm"), py::arg("dtype"), py::arg("wire"),
       py::arg("op"), py::arg("count"), py::arg("values"), py::arg("workspace"), py::arg("traffic"),
-      py::arg("sequence"), py::arg("headers") = true);
+      py::arg("sequence"), py::arg("call_numel"), py::arg("collective") = "all_reduce");
   m.def("stats", []() {
     py::dict d;
     d["allgather"] = traffic_dict(qcoll::allgather_traffic());
@@ -297,7 +298,8 @@ PYBIND11_MODULE(_C, m) {
       m, [](const auto& args, auto entry) { entry(args); }, /*release_gil=*/true);
   m.def("build_info", &build_info);
   m.def("set_openmp_threads", &qcoll::set_openmp_threads, py::arg("threads"),
-        "The calling thread's OpenMP team size (qcoll's worker threads take the caller's).");
+        "Sets the calling thread's OpenMP team size; returns the previous one.");
+  m.def("openmp_threads", &qcoll::openmp_max_threads, "The calling thread's OpenMP team size.");
   bind_collectives(m);
   m.attr("GROUP_SIZE_MULTIPLE") = qcoll::kGroupSizeMultiple;
   m.attr("MAX_GROUP_SIZE") = qcoll::kMaxGroupSize;
