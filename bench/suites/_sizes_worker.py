@@ -2,10 +2,12 @@
 
     python bench/suites/_sizes_worker.py CONFIG.json RANK
 
-Per dtype, size and collective: qcoll's unquantized call (bits=None) and torch's same call,
-in blocks of back-to-back calls taking turns (qcoll, torch, torch, qcoll, ...; a barrier
-before each block only). Every call's time is kept (the slowest rank's), and each block's
-total. Rank 0 writes the cells as JSON to the config's "out" path."""
+Per dtype, size and collective: qcoll's unquantized call (bits=None) and torch's same call
+at each of the config's thread counts (torch.set_num_threads before each block), in blocks
+of back-to-back calls taking turns (forward, then backward order; a barrier before each
+block only), so that a thread count's time is compared with the other's measured alike.
+Every call's time is kept (the slowest rank's), and each block's total. Rank 0 writes the
+cells as JSON to the config's "out" path."""
 
 from __future__ import annotations
 
@@ -67,11 +69,14 @@ def slowest(values: list) -> list:
 
 
 def measure(fns: dict, blocks: int, budget_s: float) -> dict:
-    """Per impl: every call's time and every block's total (slowest rank's)."""
-    for fn in fns.values():  # warm-up; also sizes the blocks
+    """fns: name -> (fn, threads). Per name: every call's time and every block's total
+    (slowest rank's)."""
+    for fn, threads in fns.values():  # warm-up; also sizes the blocks
+        torch.set_num_threads(threads)
         fn()
     t0 = time.perf_counter()
-    for fn in fns.values():
+    for fn, threads in fns.values():
+        torch.set_num_threads(threads)
         fn()
     per_call = slowest([time.perf_counter() - t0])[0] / len(fns)
     k = int(max(2, min(20, budget_s / max(per_call, 1e-6) / (blocks * len(fns)))))
@@ -82,7 +87,8 @@ def measure(fns: dict, blocks: int, budget_s: float) -> dict:
     wall0, busy0, own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
     for b in range(blocks):
         for name in (order if b % 2 == 0 else order[::-1]):
-            fn = fns[name]
+            fn, threads = fns[name]
+            torch.set_num_threads(threads)
             dist.barrier(group=SYNC)
             start = time.perf_counter()
             for _ in range(k):
@@ -102,7 +108,6 @@ def measure(fns: dict, blocks: int, budget_s: float) -> dict:
 def main() -> None:
     cfg = json.load(open(sys.argv[1]))
     rank, world = int(sys.argv[2]), cfg["world"]
-    torch.set_num_threads(cfg["threads"])
     dist.init_process_group("gloo", init_method=f"file://{cfg['store']}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=cfg.get("timeout_s", 300)))
     group = qcoll.new_group(node_size=cfg["node_size"], backend="torch")
@@ -111,7 +116,8 @@ def main() -> None:
     cells, done = [], 0
     for dtype_name, size, collective in cfg["cells"]:
         fns = calls(collective, size, DTYPES[dtype_name], world, group, rank)
-        timed = measure(fns, cfg["blocks"], cfg["budget_s"])
+        timed = measure({f"{name}@{t}": (fn, t) for t in cfg["threads"] for name, fn in fns.items()},
+                        cfg["blocks"], cfg["budget_s"])
         cells.append({"dtype": dtype_name, "bytes": size, "collective": collective, **timed})
         done += 1
         if rank == 0:

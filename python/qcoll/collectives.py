@@ -302,8 +302,11 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     would be below the measured size where pipelining pays). One node, or
     hierarchical=False: one all-to-all at intra_bits (one node) or inter_bits (several).
     Each bits argument: 8 / "int8", 4 / "int4", "fp8_e4m3", or None, which sends the input
-    dtype; with hierarchical=False and the one hop unquantized
-    this is the transport's own reduce-scatter.
+    dtype; an unquantized inter-node hop carries the fp32 partial sums instead, so with both
+    None a bf16/fp16 result is rounded once, within half an ulp of the exact sum (or mean)
+    up to fp32 summation error (gloo's and NCCL's own bf16 sums round at every step). With
+    hierarchical=False and the one hop unquantized this is the transport's own
+    reduce-scatter (its own summation, in the input dtype).
 
     error_feedback: a qcoll.ErrorFeedback kept for this input: the residual of this rank's
     previous first-hop encode is added to the input before encoding (the input itself is
