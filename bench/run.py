@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--update", action="store_true", default=None,
                         help="gate: measure and write the floors (bench/gate.json) instead of checking")
     parser.add_argument("--gate-parts", default=None, metavar="PARTS",
-                        help="gate: kernels,collectives (default both)")
+                        help="gate: kernels,collectives,sizes (default all three)")
     # Hidden: the gate's own test slows qcoll.NAME down on purpose.
     parser.add_argument("--slow", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
