@@ -18,6 +18,9 @@ Suites:
   gate         the speed regression gate CI runs: each kernel's ratio to copy and each
                collective's ratio to torch's same call, against the floors in bench/gate.json
                (exit 1 when a ratio stays below 0.75 of its floor); --update rewrites the floors
+  sizes        qcoll's unquantized collectives (bits=None) vs torch's same call, 1 KB to
+               64 MB, 2 x 2 and 3 x 2 gloo ranks, 2 threads / 1 thread / torchrun's
+               OMP_NUM_THREADS=1: ratio, min / median / max and stalled calls (issue 26)
   fidelity     issue 12's bar: final loss vs an fp32 reference and cross-node bytes of
                ZeRO-3, ZeRO++ (+ Hadamard) and SDP4Bit (stage 2, qWD) on the convergence
                test's language model
@@ -43,7 +46,7 @@ import torch  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 import qcoll  # noqa: E402
-from suites import cluster, collectives, error_feedback, fidelity, gate, group_size, kernels, zero  # noqa: E402
+from suites import cluster, collectives, error_feedback, fidelity, gate, group_size, kernels, sizes, zero  # noqa: E402
 from timing import parse_sizes  # noqa: E402
 
 # Each suite module provides run(quick, progress, **options) -> dict, table(result) -> lines,
@@ -57,6 +60,7 @@ SUITES = {
     "error_feedback": error_feedback,
     "fidelity": fidelity,
     "gate": gate,
+    "sizes": sizes,
 }
 OPTIONS = {  # suite -> the options of this command line it understands
     "kernels": {"sizes", "device"},
@@ -67,6 +71,7 @@ OPTIONS = {  # suite -> the options of this command line it understands
     "error_feedback": set(),
     "fidelity": {"tiny"},
     "gate": {"update", "slow", "gate_parts"},
+    "sizes": {"sizes"},
 }
 
 
@@ -127,7 +132,7 @@ def main() -> None:
     parser.add_argument("--update", action="store_true", default=None,
                         help="gate: measure and write the floors (bench/gate.json) instead of checking")
     parser.add_argument("--gate-parts", default=None, metavar="PARTS",
-                        help="gate: kernels,collectives (default both)")
+                        help="gate: kernels,collectives,sizes (default all three)")
     # Hidden: the gate's own test slows qcoll.NAME down on purpose.
     parser.add_argument("--slow", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

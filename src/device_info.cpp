@@ -25,6 +25,17 @@ int openmp_max_threads() {
 #endif
 }
 
+int set_openmp_threads(int threads) {
+#if defined(_OPENMP)
+  const int previous = omp_get_max_threads();
+  if (threads >= 1 && threads != previous) omp_set_num_threads(threads);
+  return previous;
+#else
+  (void)threads;
+  return 1;
+#endif
+}
+
 #if !defined(QCOLL_WITH_CUDA)
 std::unique_ptr<StreamLanes> make_stream_lanes(const Device&) {
   QCOLL_ARG_CHECK(false, "CUDA stream lanes requested but qcoll was built without CUDA");

@@ -53,22 +53,19 @@ def _exact(inputs, op):
 
 
 def _transport_all_reduce(inputs, rank, op):
-    """Unquantized and flat: the transport's own reduce-scatter (summing in the dtype, in
-    its own order) and all-gather, the oracle; the bound as for its reduce-scatter."""
-    world, numel = len(inputs), inputs[0].numel()
-    n = -(-numel // world)
+    """Unquantized (bits and inter_bits None) on CPU: the transport's own all-reduce of fp32
+    values (a bf16/fp16 tensor's upcast), rounded once to the dtype, the oracle; the bound:
+    fp32 sums plus that one rounding."""
+    world = len(inputs)
     dtype = inputs[0].dtype
-    padded = torch.cat([inputs[rank], torch.zeros(world * n - numel, dtype=dtype)])
-    shard = torch.empty(n, dtype=dtype)
-    dist.reduce_scatter_tensor(shard, padded, op=dist.ReduceOp.SUM)
+    total = inputs[rank].to(F32, copy=True)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
     if op == "avg":
-        shard = shard / torch.full_like(shard, world)
-    full = torch.empty(world * n, dtype=dtype)
-    dist.all_gather_into_tensor(full, shard)
+        total = total / torch.full_like(total, world)
     rel, absolute = ref.OUT_ROUNDING[dtype]
-    mag = torch.stack([x.double().abs() for x in inputs]).sum(0)
-    bound = (world + 1) * (max(rel, 2.0**-24) * mag / (world if op == "avg" else 1) + absolute)
-    return full[:numel], bound
+    mag = torch.stack([x.double().abs() for x in inputs]).sum(0) / (world if op == "avg" else 1)
+    bound = world * 2.0**-24 * mag + rel * mag + absolute
+    return total.to(dtype), bound
 
 
 def _all_reduce_worker(rank, world, node_size, cases):
@@ -88,8 +85,7 @@ def _all_reduce_worker(rank, world, node_size, cases):
                 inputs, node_size, dtype=dtype, op=op, bits=bits, inter_bits=inter_bits,
                 group_size=case["group_size"] or DEFAULT_GROUP_SIZE, stages=case["stages"],
                 hierarchical=case["hierarchical"])
-            cross = bits if inter_bits is None else inter_bits
-            if is_baseline(world, node_size, bits, cross, case["hierarchical"]):
+            if bits is None and inter_bits is None and world > 1:
                 expected, bound = _transport_all_reduce(inputs, rank, op)
             ref.assert_same_bits(x, expected, what)
             err = (x.double() - _exact(inputs, op)).abs()
@@ -144,6 +140,8 @@ def _accounting_worker(rank, world, node_size):
     g = qcoll.new_group(node_size=node_size)
     numel, n = 5000, 1250
     x = gradient_like(numel, torch.bfloat16, "acct", rank)
+    # Once unmeasured: the first call of a signature checks it; the halves below skip it.
+    qcoll.quantized_all_reduce(x.clone(), g, bits=8, inter_bits=4)
     qcoll.reset_stats()
     work = qcoll.quantized_all_reduce(x.clone(), g, bits=8, inter_bits=4, async_op=True)
     assert isinstance(work, qcoll.Work)

@@ -41,6 +41,7 @@ def test_committed_floors_cover_every_kernel_and_collective_cell():
         for impl in gate.COLLECTIVE_IMPLS:
             for n in gate.COLLECTIVE_BYTES:
                 assert gate.collective_cell(collective, impl, n) in floors
+    assert any(c.endswith("(sizes, blocks)") for c in floors)
 
 
 def test_gate_refuses_other_thread_counts_than_its_floors():

@@ -109,9 +109,11 @@ def simulate_reduce_scatter(inputs, rank, n, node_size, *, op, intra_bits, inter
             for m in range(nodes):
                 local = src[m * node_size : (m + 1) * node_size]
                 partial = fsum([wire(c, intra_bits, dtype, group_size) for c in local])
-                sent.append(wire(partial, inter_bits, dtype, group_size))
+                # An unquantized inter-node hop carries the fp32 partial sums (issue 26).
+                cross = F32 if inter_bits is None else dtype
+                sent.append(wire(partial, inter_bits, cross, group_size))
                 err = err + sum(wire_error(c, intra_bits, dtype, group_size) for c in local)
-                err = err + wire_error(partial, inter_bits, dtype, group_size)
+                err = err + wire_error(partial, inter_bits, cross, group_size)
                 mag = mag + sum(c.double().abs() for c in local) + partial.double().abs()
             got = sent
         out[b:e] = finish(fsum(got), divisor, dtype)

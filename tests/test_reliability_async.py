@@ -226,7 +226,8 @@ def _lifetime_worker(rank, world):
     gc.disable()
     try:
         g = qcoll.new_group(node_size=2)
-        qcoll.quantized_allgather(torch.empty(world * 4), torch.ones(4), g)
+        # async: the worker thread (a synchronous call on an idle group runs in the caller's)
+        qcoll.quantized_allgather(torch.empty(world * 4), torch.ones(4), g, async_op=True).wait()
         ref = weakref.ref(g)
         thread = g._calls._thread
         del g

@@ -31,7 +31,8 @@ def _failure_worker(rank, world, node_size, when, async_op):
     g = qcoll.new_group(node_size=node_size, timeout=timedelta(seconds=TIMEOUT))
     x = torch.randn(world * 4096)
     out = torch.empty(4096)
-    qcoll.quantized_reduce_scatter(out, x, g, pipeline_stages=4)  # warm: worker, lanes, PGs
+    # Warm: the worker thread (async calls only), the lanes, the PGs.
+    qcoll.quantized_reduce_scatter(out, x, g, pipeline_stages=4, async_op=True).wait()
     threads = _threads()
     victim = world - 1
     if rank == victim:

@@ -13,7 +13,7 @@ import torch
 import qcoll
 from distributed import run_ranks
 from qcoll.zero import ZeroConfig, ZeroEngine
-from zero_helpers import ALL_OFF_FP32, OptimizerFactory, gpt, lm_loss
+from zero_helpers import ALL_OFF_FP32, OptimizerFactory, assert_same_but_call_checks, gpt, lm_loss
 
 WORLD, NODE_SIZE = 4, 2
 CFG = gpt.GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, d_model=16)
@@ -202,7 +202,8 @@ def test_group_none_processgroup_and_qcoll_group_agree():
         for name in ("none", "process_group"):
             assert r[name]["node_size"] == NODE_SIZE  # from LOCAL_WORLD_SIZE / the host ids
             assert r[name]["losses"] == base["losses"], name
-            assert r[name]["stats"] == base["stats"], name
+            # One Group serves both (resolve_group's cache): the second skips the call checks.
+            assert_same_but_call_checks(r[name]["stats"], base["stats"], name)
             for k, v in base["state"].items():
                 assert torch.equal(r[name]["state"][k], v), (name, k)
 
@@ -271,7 +272,8 @@ def test_stage2_overlap_publish_trains_the_same():
     for r in _runs():
         ovl, base = r["sdp4bit_overlap"], r["sdp4bit"]
         assert ovl["pending"] == ovl["trainable"] and ovl["left"] == 0
-        assert ovl["losses"] == base["losses"] and ovl["stats"] == base["stats"]
+        assert ovl["losses"] == base["losses"]
+        assert_same_but_call_checks(ovl["stats"], base["stats"])
         for k, v in base["state"].items():
             assert torch.equal(ovl["state"][k], v), k
     # The replicas' weights agree after wait_weights() (every rank decoded the same bytes).

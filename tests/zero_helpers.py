@@ -71,6 +71,21 @@ class OddNet(nn.Module):
         return self.head(h) * self.temperature
 
 
+CALL_HEADER = 32  # bytes per peer of a call check (include/qcoll/wire_header.h)
+
+
+def assert_same_but_call_checks(a: dict, b: dict, what="") -> None:
+    """Engine stats of two runs that made the same calls: the same calls, and bytes that
+    differ only by call checks. The first call of each signature on a group also sends a
+    32-byte call header to every peer; a run on a group that already made those calls
+    sends none (issue 26)."""
+    assert set(a) == set(b), what
+    for kind in a:
+        assert a[kind]["calls"] == b[kind]["calls"], (what, kind, a[kind], b[kind])
+        for field in ("intra_bytes", "inter_bytes"):
+            assert (a[kind][field] - b[kind][field]) % CALL_HEADER == 0, (what, kind, a[kind], b[kind])
+
+
 def oddnet_batch(step: int, batch_size: int, length: int = 5):
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randint(0, OddNet.VOCAB, (batch_size, length), generator=g)

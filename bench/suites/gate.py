@@ -6,6 +6,8 @@ One run measures ratios that do not depend on how fast the machine is:
   collective cells  torch's time / qcoll's time for the same call on 4 gloo ranks as
                     2 nodes x 2 (the collectives suite's worker), per collective and size,
                     for the uncompressed path (bits=None) and the quantized default
+  sizes cells       the sizes suite's few gate cells: bits=None calls timed in alternating
+                    blocks of calls, as under torchrun (OMP_NUM_THREADS=1)
 Every ratio is "higher is better". Each is compared with its floor in bench/gate.json: a
 ratio below TOLERANCE x floor is measured once more, and the gate fails when it is still
 below. Floors are written by the same command with --update, from a quiet run; a change
@@ -28,7 +30,7 @@ import torch
 import qcoll
 from timing import human_bytes
 
-from . import _ranks, collectives, kernels
+from . import _ranks, collectives, kernels, sizes
 
 FLOORS_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gate.json")
 TOLERANCE = 0.75  # fail below this fraction of a floor (after one retry)
@@ -90,6 +92,13 @@ def measure_collectives() -> dict:
             for (c, impl, n), t in best.items() if impl in COLLECTIVE_IMPLS}
 
 
+def measure_sizes() -> dict:
+    """{cell: torch's time / qcoll's time} of the sizes suite's gate cells: bits=None calls in
+    alternating blocks, as under torchrun (OMP_NUM_THREADS=1)."""
+    return {f"{c} bits=None {human_bytes(n)} vs torch (sizes, blocks)": 1.0 / r
+            for key, r in sizes.ratios().items() if len(key) == 2 for c, n in [key]}
+
+
 def load_floors(path: str = FLOORS_PATH) -> dict:
     with open(path) as f:
         return json.load(f)
@@ -110,20 +119,23 @@ def compare(measured: dict, floors: dict, tolerance: float = TOLERANCE) -> dict:
     return {"cells": verdicts, "new": new}
 
 
+PARTS = {"kernels": measure_kernels, "collectives": measure_collectives, "sizes": measure_sizes}
+
+
 def _measure(part: str, slow) -> dict:
-    return measure_kernels(slow) if part == "kernels" else measure_collectives()
+    return measure_kernels(slow) if part == "kernels" else PARTS[part]()
 
 
 def run(quick: bool, progress, update: bool = False, slow: str | None = None,
-        gate_parts: str = "kernels,collectives", floors_path: str = FLOORS_PATH) -> dict:
+        gate_parts: str = "kernels,collectives,sizes", floors_path: str = FLOORS_PATH) -> dict:
     if os.environ.get("OMP_NUM_THREADS") != "1":
         # The floors are one thread per process, as under torchrun: other counts change the ratios.
         raise SystemExit("the gate runs with one thread per process, as its floors were measured: "
                          "OMP_NUM_THREADS=1 python bench/run.py gate")
     parts = [p for p in gate_parts.split(",") if p]
-    bad = set(parts) - {"kernels", "collectives"}
+    bad = set(parts) - set(PARTS)
     if bad:
-        raise SystemExit(f"--gate-parts: unknown part(s) {sorted(bad)}; allowed: kernels, collectives")
+        raise SystemExit(f"--gate-parts: unknown part(s) {sorted(bad)}; allowed: {', '.join(PARTS)}")
     task = progress.add_task("gate", total=len(parts))
     t0 = time.perf_counter()
     measured, retried = {}, {}
@@ -158,7 +170,9 @@ def run(quick: bool, progress, update: bool = False, slow: str | None = None,
 
 
 def _part_of(cell: str) -> str:
-    return "kernels" if cell.startswith("kernel ") else "collectives"
+    if cell.startswith("kernel "):
+        return "kernels"
+    return "sizes" if cell.endswith("(sizes, blocks)") else "collectives"
 
 
 def table(result: dict) -> list:

@@ -36,6 +36,15 @@ void reduce_scatter(const ReduceScatterPlan& plan, const CollectiveBuffers& buff
                     ReduceOp op, Communicator& world, Communicator* intra, Communicator* inter,
                     const Device& device, Traffic& traffic, uint32_t sequence = 0);
 
+// The unquantized all-reduce where the transport has one (comm.has_all_reduce()): the call
+// check of a call of call_numel elements of dtype (workspace: (size + 1) call headers;
+// call_numel < 0: none, a later part of a checked call), then the transport's all-reduce of
+// buffers.output in place: count elements of wire (the caller's dtype, or fp32 values of a
+// bf16/fp16 tensor).
+void all_reduce_raw(int64_t count, const CollectiveBuffers& buffers, DType dtype, DType wire,
+                    ReduceOp op, Communicator& comm, const Device& device, Traffic& traffic,
+                    uint32_t sequence, int64_t call_numel);
+
 // Process-wide byte counters read by qcoll.stats().
 Traffic& allgather_traffic();
 Traffic& reduce_scatter_traffic();

@@ -11,6 +11,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <mutex>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "qcoll/device.h"
@@ -80,8 +83,18 @@ class Communicator {
   // The transport's own reduce-scatter: send holds size() * count elements, recv count.
   void reduce_scatter(BufferRef send, BufferRef recv, int64_t count, DType dtype, ReduceOp op,
                       const Device& dev, Traffic& traffic);
+  // The transport's own all-reduce of count elements, in place. Counted as the
+  // reduce-scatter and all-gather it amounts to (ceil(count / size) elements per peer each).
+  void all_reduce(BufferRef buf, int64_t count, DType dtype, ReduceOp op, const Device& dev,
+                  Traffic& traffic);
+  virtual bool has_all_reduce() const { return false; }
   // Adds one exchange of bytes_per_peer to every other member to `traffic` (the rule).
   void count(int64_t bytes_per_peer, Traffic& traffic) const;
+
+  // Call signatures every member has been seen to agree on (wire_header.h's check_call):
+  // the check exchanges a signature once per communicator, not once per call.
+  bool agreed(const std::string& signature) const;
+  void add_agreed(const std::string& signature);
 
  protected:
   virtual void do_all_to_all(BufferRef send, BufferRef recv, int64_t bytes_per_peer,
@@ -90,12 +103,16 @@ class Communicator {
                              const Device& dev) = 0;
   virtual void do_reduce_scatter(BufferRef send, BufferRef recv, int64_t count, DType dtype,
                                  ReduceOp op, const Device& dev) = 0;
+  virtual void do_all_reduce(BufferRef buf, int64_t count, DType dtype, ReduceOp op,
+                             const Device& dev);
 
  private:
   int rank_;
   int size_;
   std::vector<bool> member_is_local_;
   int local_peers_ = 0;
+  mutable std::mutex agreed_mutex_;
+  std::set<std::string> agreed_;
 };
 
 }  // namespace qcoll

@@ -24,6 +24,10 @@ bool cuda_compiled();
 std::vector<int> cuda_archs();  // SM versions the CUDA kernels were compiled for
 bool openmp_enabled();
 int openmp_max_threads();
+// Sets the calling thread's OpenMP team size (an ICV of each thread: a thread that OpenMP
+// did not create starts from OMP_NUM_THREADS or the core count, not from its creator's);
+// returns the previous one.
+int set_openmp_threads(int threads);
 // Number of usable GPUs right now; 0 when CUDA is not compiled in or the driver reports
 // any error (no driver, no device, incompatible driver).
 int cuda_device_count();

@@ -3,11 +3,15 @@
 // that disagree on size, code format or call order get an error, never wrong data (a
 // short message or a missing one would otherwise leave stale workspace bytes to decode).
 //
-// Before any of that, every call all-gathers one fixed-size CallHeader over the whole group
-// (check_call): ranks that disagree on what the call is (sizes, code formats, op, stages,
-// call number) all raise the same error, listing every rank's values, before any message
-// whose size depends on those values is sent (gloo aborts the process when a message is
-// longer than the receiver expects).
+// Before any of that, the first call of each distinct signature on a communicator
+// all-gathers one fixed-size CallHeader over the whole group (check_call): ranks that
+// disagree on what the call is (sizes, code formats, op, stages, call number) all raise the
+// same error, listing every rank's values, before any message whose size depends on those
+// values is sent (gloo aborts the process when a message is longer than the receiver
+// expects). A signature every member has agreed on is not exchanged again: a round trip
+// per call cost more than a small call itself (issue 26). Ranks that later diverge between
+// two signatures all of them used before are caught by the chunk headers (call number
+// included) where sizes agree; QCOLL_DEBUG=1 checks every call.
 //
 // Headers are written and checked by host code, on buffers in host memory (the CPU path);
 // device buffers travel without them (plans for CUDA tensors have header 0).
@@ -135,7 +139,7 @@ void check_headers(const uint8_t* slots, int64_t stride, int64_t count, ChunkHea
 // What every rank must agree on for one call, all-gathered before any payload.
 struct CallHeader {
   uint32_t magic = kChunkMagic;
-  uint8_t kind = 0;  // 1 all-gather, 2 reduce-scatter
+  uint8_t kind = 0;  // 1 all-gather, 2 reduce-scatter, 3 all-reduce
   uint8_t dtype = 0;
   uint8_t first_format = 0;   // CodeFormat
   uint8_t second_format = 0;  // CodeFormat (kRaw without a second hop)
@@ -159,9 +163,12 @@ inline std::string describe(const CallHeader& h) {
   }
   auto name = [](uint8_t f) { return std::string(format_name(static_cast<CodeFormat>(f))); };
   const uint8_t raw = static_cast<uint8_t>(CodeFormat::kRaw);
-  os << (h.kind == 1 ? "all-gather" : "reduce-scatter") << " call " << h.sequence << ", "
-     << h.n << " " << dtype_name(static_cast<DType>(h.dtype)) << " elements per rank, ";
-  if (h.kind == 1) {
+  os << (h.kind == 1 ? "all-gather" : h.kind == 3 ? "all-reduce" : "reduce-scatter") << " call "
+     << h.sequence << ", " << h.n << " " << dtype_name(static_cast<DType>(h.dtype))
+     << " elements per rank, ";
+  if (h.kind == 3) {
+    os << name(h.first_format) << ", op " << reduce_op_name(static_cast<ReduceOp>(h.op));
+  } else if (h.kind == 1) {
     os << name(h.first_format);
   } else {
     os << (h.two_hop ? "2-hop " : "1-hop ") << name(h.first_format);
@@ -175,11 +182,16 @@ inline std::string describe(const CallHeader& h) {
 }
 
 // All-gather `mine` over `comm` through `area` ((size + 1) * kCallHeaderBytes bytes of
-// workspace) and raise MismatchError, identically on every rank, unless all agree.
+// workspace) and raise MismatchError, identically on every rank, unless all agree; nothing
+// when the signature was agreed before on this communicator.
 inline void check_call(Communicator& comm, const BufferRef& area, CallHeader mine,
                        const Device& device, Traffic& traffic) {
   const int size = comm.size();
   uint8_t* base = static_cast<uint8_t*>(area.ptr);
+  CallHeader key = mine;  // the signature: the call less its number and sender
+  key.sequence = 0;
+  const std::string signature(reinterpret_cast<const char*>(&key), sizeof key);
+  if (comm.agreed(signature)) return;
   mine.sender = comm.rank();
   std::memcpy(base + int64_t{size} * kCallHeaderBytes, &mine, sizeof mine);
   traffic.header_bytes += kCallHeaderBytes * (size - 1);
@@ -192,7 +204,10 @@ inline void check_call(Communicator& comm, const BufferRef& area, CallHeader min
     got.sender = mine.sender;
     agree = std::memcmp(&got, &mine, sizeof got) == 0;
   }
-  if (agree) return;
+  if (agree) {
+    comm.add_agreed(signature);
+    return;
+  }
   std::ostringstream os;
   os << "ranks disagree on the call:";
   for (int r = 0; r < size; ++r) {

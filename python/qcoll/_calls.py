@@ -90,39 +90,81 @@ def new_traffic():
 
 
 class CallQueue:
-    """One daemon thread running submitted calls in order. It holds no reference to its
-    Group, so a dropped Group is freed (and its finalizer closes the queue)."""
+    """Runs a family's calls one at a time, in issue order: async ones on a daemon thread,
+    a synchronous one on its caller's thread when nothing is queued or running (a hand-off
+    to another thread and back cost more than a small call on a loaded machine). It holds no
+    reference to its Group, so a dropped Group is freed (and its finalizer closes the queue).
 
-    def __init__(self, name: str):
+    A call runs its kernels with the OpenMP team size of the thread that issued it, at most
+    `max_threads` (this rank's share of its host's cores). After each parallel region,
+    libgomp's idle team threads spin (its default active wait) on cores that the host's
+    other ranks need to progress the exchange that follows: calls then stall for tens of ms
+    (issue 26). A team no larger than the rank's share of cores spins on no one's core; and
+    a new thread would otherwise start from the process default (every core), ignoring
+    torch.set_num_threads(1) (torchrun's OMP_NUM_THREADS=1 reaches it: 6x slower calls)."""
+
+    def __init__(self, name: str, max_threads: int = 1 << 16):
         self._name = name
+        self._max_threads = max(1, max_threads)
         self._tasks: "queue.SimpleQueue" = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._running = threading.Lock()  # held by whichever thread runs a call
+        self._pending = 0  # calls submitted or running, not finished
         self._thread: Optional[threading.Thread] = None
         self._failure: Optional[str] = None
         self._closed = False
 
+    def _refuse(self, describe: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{describe}: the group was closed")
+        if self._failure is not None:
+            raise CommunicationError(f"{describe}: the group is unusable after an earlier "
+                                     f"failure ({self._failure}); create a new group")
+
     def submit(self, run: Callable[[], None], describe: str) -> Future:
         """Queue `run`; its error (wrapped to name `describe`) is set on the Future."""
+        threads = min(_C.openmp_threads(), self._max_threads)
         with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{describe}: the group was closed")
-            if self._failure is not None:
-                raise CommunicationError(f"{describe}: the group is unusable after an earlier "
-                                         f"failure ({self._failure}); create a new group")
+            self._refuse(describe)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
             future: Future = Future()
-            self._tasks.put((future, run, describe))
+            self._pending += 1
+            self._tasks.put((future, run, describe, threads))
         return future
+
+    def call(self, run: Callable[[], None], describe: str) -> None:
+        """Run `run` and return once it has, raising its (wrapped) error: on this thread when
+        the family is idle, else after the calls queued before it."""
+        with self._lock:
+            self._refuse(describe)
+            inline = self._pending == 0
+            if inline:
+                self._pending += 1
+        if not inline:
+            self.submit(run, describe).result()
+            return
+        previous = _C.set_openmp_threads(min(_C.openmp_threads(), self._max_threads))
+        try:
+            with self._running:
+                error = self._execute(run, describe)
+        finally:
+            _C.set_openmp_threads(previous)  # the caller's own setting, for its own ops
+            with self._lock:
+                self._pending -= 1
+        if error is not None:
+            raise error
 
     def drain(self) -> None:
         """Wait until every call queued so far has run."""
         with self._lock:
             running = self._thread is not None and not self._closed
+            if running:
+                done: Future = Future()
+                self._pending += 1
+                self._tasks.put((done, lambda: None, "drain", None))
         if running:
-            done: Future = Future()
-            self._tasks.put((done, lambda: None, "drain"))
             done.result()
 
     def close(self) -> None:
@@ -137,28 +179,39 @@ class CallQueue:
             if thread is not threading.current_thread():
                 thread.join()
 
+    def _execute(self, run: Callable[[], None], describe: str) -> Optional[BaseException]:
+        """Run one call (the caller holds _running); its wrapped error, or None."""
+        if self._failure is not None and describe != "drain":
+            return CommunicationError(f"{describe}: not run, the group failed earlier ({self._failure})")
+        try:
+            run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            if describe != "drain" and not isinstance(exc, ValueError):
+                self._failure = f"{describe}: {type(exc).__name__}"
+            return _named(exc, describe)
+        return None
+
     def _loop(self) -> None:
         while True:
             item = self._tasks.get()
             if item is None:
                 return
-            future, run, describe = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            if self._failure is not None and describe != "drain":
-                future.set_exception(CommunicationError(
-                    f"{describe}: not run, the group failed earlier ({self._failure})"))
-                continue
+            future, run, describe, threads = item
             try:
-                run()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-                error = _named(exc, describe)
-                if describe != "drain" and not isinstance(exc, ValueError):
-                    self._failure = f"{describe}: {type(exc).__name__}"
-                future.set_exception(error)
-            else:
-                future.set_result(None)
-            del run, item  # the call's tensors are released as soon as it has run
+                if not future.set_running_or_notify_cancel():
+                    continue
+                if threads is not None:
+                    _C.set_openmp_threads(threads)
+                with self._running:
+                    error = self._execute(run, describe)
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(None)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+                del run, item  # the call's tensors are released as soon as it has run
 
 
 def _named(exc: BaseException, describe: str) -> BaseException:

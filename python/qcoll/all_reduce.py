@@ -17,6 +17,7 @@ from . import _C
 from ._dtypes import dtype_code
 from ._formats import format_of
 from .collectives import (
+    OPS,
     _allgather_core,
     _carve,
     _check_op,
@@ -37,6 +38,11 @@ from .group import resolve_group
 from .policy import ALL_REDUCE, AllReducePolicy
 
 _WHAT = "quantized_all_reduce"
+# A bits=None bf16/fp16 all-reduce goes through the transport's fp32 all-reduce, this many
+# elements at a time (a 64 MB fp32 workspace at most): twice the bytes of a bf16 ring, but
+# one exchange; a reduce-scatter (fp32 partial sums across nodes) then an all-gather moved
+# fewer bytes and ran 1.45x torch's bf16 all-reduce (bench/results/sizes-*.json).
+_UPCAST_CHUNK = 1 << 24
 
 
 def _check_tensor(tensor) -> int:
@@ -64,7 +70,10 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     2. all-gather of the shards at `inter_bits or bits` when the group spans nodes (bits on
        one node): every rank, the shard's owner too, decodes the same bytes, so the result
        is bit-identical on every rank.
-    bits=None sends the tensor's dtype (exact up to fp32 summation order for fp32).
+    bits=None (inter_bits None too) is unquantized: on CPU the transport's own all-reduce
+    (gloo's, torch's same call), of fp32 values for bf16/fp16 tensors; either way the sum
+    is fp32 and rounded once to the tensor's dtype, so a bf16/fp16 result is within half an
+    ulp of the fp32 sum of the inputs (gloo's and NCCL's own bf16 sums round at every step).
     error_feedback: a qcoll.ErrorFeedback kept for this tensor (see qcoll.error_feedback):
     the residuals of this rank's input encode, of its partial sums' inter-node re-encode
     (2-hop) and of its shard's all-gather encode.
@@ -80,6 +89,10 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     g = resolve_group(group)
     _debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, rs.intra_code, rs.inter_code,
                      group_size, stages, hierarchical, error_feedback is not None), tensor.device)
+
+    if (bits is None and inter_bits is None and error_feedback is None and tensor.device.type == "cpu"
+            and g.size > 1 and g.communicator(tensor.device).has_all_reduce):
+        return _transport_all_reduce(g, tensor, code, op, async_op)
 
     numel = tensor.numel()
     n = -(-numel // size)  # shard elements; the tensor is padded to size * n
@@ -130,6 +143,41 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
             _C.add_traffic(traffic, list(parts), "all_reduce")
 
     return _run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op, extra_comms=extra_comms)
+
+
+def _transport_all_reduce(g, tensor: torch.Tensor, code: int, op: str, async_op: bool):
+    """The transport's all-reduce in one exchange (after the call check): in place for
+    fp32; for bf16/fp16 of fp32 copies in the workspace, _UPCAST_CHUNK elements at a time
+    (summed in fp32, rounded once)."""
+    upcast = tensor.dtype != torch.float32
+    numel = tensor.numel()
+    check_bytes = (g.size + 1) * _C.CALL_HEADER_BYTES
+    chunk = min(numel, _UPCAST_CHUNK) if upcast else numel
+    workspace_bytes = check_bytes + (16 + 4 * chunk if upcast else 0)
+    flat = tensor.view(-1)
+    wire = _C.DTYPES["float32"] if upcast else code
+
+    def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
+        if not upcast or numel <= chunk:
+            parts = [(0, numel, traffic, "all_reduce")]
+        else:  # parts counted as one call (add_traffic below)
+            parts = [(b, min(chunk, numel - b), _C.Traffic(), "none") for b in range(0, numel, chunk)]
+        try:
+            for begin, count, part, collective in parts:
+                values = flat[begin:begin + count]
+                if upcast:
+                    values, _ = _carve(workspace, check_bytes, count, torch.float32)
+                    values.copy_(flat[begin:begin + count])
+                g._buffers.set(values, values, workspace)
+                _C.all_reduce_raw(comm, code, wire, OPS[op], count, values.data_ptr(), workspace.data_ptr(),
+                                  part, sequence, numel if begin == 0 else -1, collective)
+                if upcast:
+                    flat[begin:begin + count].copy_(values)
+        finally:
+            if len(parts) > 1:
+                _C.add_traffic(traffic, [p[2] for p in parts], "all_reduce")
+
+    return _run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op)
 
 
 __all__ = ["quantized_all_reduce"]

@@ -97,8 +97,23 @@ def _debug_check(group: Group, meta: tuple, device: torch.device) -> None:
         raise ValueError(f"qcoll: ranks disagree on {meta[0]} arguments:\n{lines}")
 
 
-def _describe(what: str, group: Group, sequence: int) -> str:
-    return f"qcoll.{what} (call {sequence} of the group of global ranks {group.global_ranks})"
+class _Describe:
+    """A call's name for its errors, formatted only when one is raised (a per-call f-string
+    of the group's ranks is a measurable part of a small call)."""
+
+    __slots__ = ("what", "ranks", "sequence")
+
+    def __init__(self, what: str, group: Group, sequence: int):
+        self.what, self.ranks, self.sequence = what, group.global_ranks, sequence  # not the group: no cycle
+
+    def __str__(self) -> str:
+        return f"qcoll.{self.what} (call {self.sequence} of the group of global ranks {self.ranks})"
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
+
+
+def _describe(what: str, group: Group, sequence: int) -> _Describe:
+    return _Describe(what, group, sequence)
 
 
 def _run(what: str, group: Group, input: torch.Tensor, output: torch.Tensor, workspace_bytes: int,
@@ -144,11 +159,10 @@ def _run(what: str, group: Group, input: torch.Tensor, output: torch.Tensor, wor
         finally:
             group._buffers.clear()
 
-    work = Work(group._calls.submit(run, describe), traffic=traffic)
-    if async_op:
-        return work
-    work.wait()
-    return None
+    if not async_op:
+        group._calls.call(run, describe)
+        return None
+    return Work(group._calls.submit(run, describe), traffic=traffic)
 
 
 def _workspace(group: Group, nbytes: int) -> torch.Tensor:
@@ -270,8 +284,11 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     would be below the measured size where pipelining pays). One node, or
     hierarchical=False: one all-to-all at intra_bits (one node) or inter_bits (several).
     Each bits argument: 8 / "int8", 4 / "int4", "fp8_e4m3", or None, which sends the input
-    dtype; with hierarchical=False and the one hop unquantized
-    this is the transport's own reduce-scatter.
+    dtype; an unquantized inter-node hop carries the fp32 partial sums instead, so with both
+    None a bf16/fp16 result is rounded once, within half an ulp of the exact sum (or mean)
+    up to fp32 summation error (gloo's and NCCL's own bf16 sums round at every step). With
+    hierarchical=False and the one hop unquantized this is the transport's own
+    reduce-scatter (its own summation, in the input dtype).
 
     error_feedback: a qcoll.ErrorFeedback kept for this input: the residual of this rank's
     previous first-hop encode is added to the input before encoding (the input itself is

@@ -39,7 +39,7 @@ class Group:
 
     def __init__(self, pg, node_size: int, backend: Optional[str], *, timeout: timedelta,
                  _singleton: bool = False, _owned_pg=None, _role: str = "group",
-                 _family: Optional[tuple] = None):
+                 _family: Optional[tuple] = None, _host_ranks: int = 1):
         self.pg = pg  # the caller's ProcessGroup (QCOLL_DEBUG checks, NCCL setup)
         self.backend = backend
         self.node_size = node_size
@@ -56,8 +56,9 @@ class Group:
         # Sub-groups share their parent's buffer registry (one call's buffers serve every
         # hop), worker thread (CPU calls of the family run in issue order, one at a time)
         # and CUDA streams (GPU calls likewise, on the family's communication stream).
-        if _family is None:
-            _family = (Buffers(), CallQueue(f"qcoll-group-{self.global_ranks}"), CudaCalls())
+        if _family is None:  # kernels use at most this rank's share of its host's cores
+            share = len(os.sched_getaffinity(0)) // max(1, _host_ranks)
+            _family = (Buffers(), CallQueue(f"qcoll-group-{self.global_ranks}", share), CudaCalls())
         self._buffers, self._calls, self._cuda = _family
         # The ProcessGroup qcoll communicates over: its own, never the caller's.
         if self.size > 1 and _owned_pg is None:
@@ -282,7 +283,10 @@ def new_group(pg=None, *, node_size: Optional[int] = None, backend: Optional[str
         else:
             node_size = _node_size_from_hosts(hosts)
     _check_layout(hosts, node_size)
-    group = Group(pg, node_size, backend, timeout=timeout if timeout is not None else pg_timeout(pg))
+    # Ranks of the whole world on this host (the group's may be fewer: a sub-group).
+    host_ranks = max(hosts.count(_host_id()), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    group = Group(pg, node_size, backend, timeout=timeout if timeout is not None else pg_timeout(pg),
+                  _host_ranks=host_ranks)
     if 1 < node_size < size:
         group._make_subgroups()
     return group

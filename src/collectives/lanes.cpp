@@ -28,7 +28,10 @@ class SerialLanes final : public Lanes {
 // lane, so an inter task enqueued after intra_hop(s) returned sees all of stage s's data.
 class ThreadLanes final : public Lanes {
  public:
-  explicit ThreadLanes(const Device& d) : device_(d), thread_([this] { run(); }) {}
+  // The lane runs kernels with the caller's OpenMP team size (torch.set_num_threads(1) in
+  // the caller would otherwise not reach it: a new thread starts from the process default).
+  explicit ThreadLanes(const Device& d)
+      : device_(d), threads_(openmp_max_threads()), thread_([this] { run(); }) {}
 
   // Never leaves the thread running: pending tasks are dropped, the running one finishes
   // (a blocked exchange ends within its transport's timeout).
@@ -65,6 +68,7 @@ class ThreadLanes final : public Lanes {
 
  private:
   void run() {
+    set_openmp_threads(threads_);
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
       changed_.wait(lock, [this] { return closing_ || !tasks_.empty(); });
@@ -96,6 +100,7 @@ class ThreadLanes final : public Lanes {
   bool busy_ = false;
   bool closing_ = false;
   std::exception_ptr error_;
+  int threads_;
   std::thread thread_;  // last: started once every member above exists
 };
 

@@ -46,7 +46,10 @@ ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t 
   p.call_check = headers ? (world + 1) * kCallHeaderBytes : 0;
   if (p.two_hop) {
     p.first = wire(intra, group_size, dtype, hadamard_size);
-    p.second = wire(inter, group_size, dtype, hadamard_size);
+    // An unquantized inter-node hop carries the fp32 partial sums: bf16/fp16 inputs are
+    // rounded once, at the end, not again between the hops (issue 26 item 5).
+    p.second = wire(inter, group_size, inter == CodeFormat::kRaw ? DType::kFloat32 : dtype,
+                    hadamard_size);
   } else {
     // One hop: it crosses nodes whenever the group spans several.
     p.first = wire(p.nodes > 1 ? inter : intra, group_size, dtype, hadamard_size);

@@ -22,6 +22,17 @@ void Communicator::count(int64_t bytes_per_peer, Traffic& traffic) const {
   traffic.inter_bytes += bytes_per_peer * remote;
 }
 
+bool Communicator::agreed(const std::string& signature) const {
+  std::lock_guard<std::mutex> lock(agreed_mutex_);
+  return agreed_.count(signature) > 0;
+}
+
+void Communicator::add_agreed(const std::string& signature) {
+  std::lock_guard<std::mutex> lock(agreed_mutex_);
+  if (agreed_.size() >= 4096) agreed_.clear();  // bounded: forgotten ones are checked again
+  agreed_.insert(signature);
+}
+
 void Communicator::all_to_all(BufferRef send, BufferRef recv, int64_t bytes_per_peer,
                               const Device& dev, Traffic& traffic) {
   QCOLL_CHECK(bytes_per_peer >= 0, "all_to_all of ", bytes_per_peer, " bytes");
@@ -41,6 +52,18 @@ void Communicator::reduce_scatter(BufferRef send, BufferRef recv, int64_t count_
   QCOLL_CHECK(count_ >= 0, "reduce_scatter of ", count_, " elements");
   count(count_ * static_cast<int64_t>(dtype_size(dtype)), traffic);
   do_reduce_scatter(send, recv, count_, dtype, op, dev);
+}
+
+void Communicator::all_reduce(BufferRef buf, int64_t count_, DType dtype, ReduceOp op,
+                              const Device& dev, Traffic& traffic) {
+  QCOLL_CHECK(count_ >= 0, "all_reduce of ", count_, " elements");
+  const int64_t shard = (count_ + size_ - 1) / size_;
+  count(2 * shard * static_cast<int64_t>(dtype_size(dtype)), traffic);
+  do_all_reduce(buf, count_, dtype, op, dev);
+}
+
+void Communicator::do_all_reduce(BufferRef, int64_t, DType, ReduceOp, const Device&) {
+  QCOLL_CHECK(false, "this transport has no all-reduce of its own");
 }
 
 }  // namespace qcoll

@@ -76,6 +76,7 @@ void bind_collectives(py::module_& m) {
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("size", &Communicator::size)
       .def("is_local", &Communicator::is_local)
+      .def_property_readonly("has_all_reduce", &Communicator::has_all_reduce)
       // Counts a call made outside qcoll (torch's own, e.g. FSDP2's default collectives)
       // under qcoll's accounting rule, so baselines and qcoll are measured alike.
       .def("account", [](const Communicator& c, const std::string& collective, int64_t bytes_per_peer) {
@@ -211,6 +212,20 @@ void bind_collectives(py::module_& m) {
       py::arg("device_index"), py::arg("stream"), py::arg("traffic"), py::arg("sequence"),
       py::arg("lane_stream") = 0, py::arg("collective") = "reduce_scatter",
       py::arg("inter_residual") = 0);
+  m.def(
+      "all_reduce_raw",
+      [](Communicator& comm, int dtype, int wire, int op, int64_t count, uintptr_t values,
+         uintptr_t workspace, qcoll::Traffic& traffic, uint32_t sequence, int64_t call_numel,
+         const std::string& collective) {
+        Counted counted{traffic, counter(collective)};
+        qcoll::all_reduce_raw(count, collective_buffers(values, values, workspace),
+                              static_cast<qcoll::DType>(dtype), static_cast<qcoll::DType>(wire),
+                              static_cast<qcoll::ReduceOp>(op),
+                              comm, device(0, 0, 0), traffic, sequence, call_numel);
+      },
+      py::call_guard<py::gil_scoped_release>(), py::arg("comm"), py::arg("dtype"), py::arg("wire"),
+      py::arg("op"), py::arg("count"), py::arg("values"), py::arg("workspace"), py::arg("traffic"),
+      py::arg("sequence"), py::arg("call_numel"), py::arg("collective") = "all_reduce");
   m.def("stats", []() {
     py::dict d;
     d["allgather"] = traffic_dict(qcoll::allgather_traffic());
@@ -299,6 +314,9 @@ PYBIND11_MODULE(_C, m) {
         "the widest path this CPU supports (capped by QCOLL_CPU_ISA)");
   m.def("set_cpu_isa", &set_cpu_isa,
         "force the CPU kernels' ISA path; False (nothing changed) where the CPU lacks it");
+  m.def("set_openmp_threads", &qcoll::set_openmp_threads, py::arg("threads"),
+        "Sets the calling thread's OpenMP team size; returns the previous one.");
+  m.def("openmp_threads", &qcoll::openmp_max_threads, "The calling thread's OpenMP team size.");
   bind_collectives(m);
   m.attr("GROUP_SIZE_MULTIPLE") = qcoll::kGroupSizeMultiple;
   m.attr("MAX_GROUP_SIZE") = qcoll::kMaxGroupSize;
@@ -306,6 +324,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_HADAMARD_SIZE") = qcoll::kMaxHadamardSize;
   m.attr("MIN_PIPELINE_STAGE_BYTES") = qcoll::kMinPipelineStageBytes;
   m.attr("WIRE_HEADER_BYTES") = qcoll::kHeaderBytes;
+  m.attr("CALL_HEADER_BYTES") = qcoll::kCallHeaderBytes;
   m.attr("DTYPES") = dtype_table();
   m.attr("DEVICE_KINDS") = py::dict(py::arg("cpu") = static_cast<int>(qcoll::DeviceKind::kCPU),
                                     py::arg("cuda") = static_cast<int>(qcoll::DeviceKind::kCUDA));

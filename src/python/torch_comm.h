@@ -44,6 +44,15 @@ class TorchCommunicator : public Communicator {
                                       static_cast<int>(dtype), static_cast<int>(op));
   }
 
+  bool has_all_reduce() const override { return true; }
+
+  void do_all_reduce(BufferRef buf, int64_t count, DType dtype, ReduceOp op,
+                     const Device&) override {
+    pybind11::gil_scoped_acquire gil;
+    transport_.attr("all_reduce")(buf.buffer, buf.offset, count, static_cast<int>(dtype),
+                                  static_cast<int>(op));
+  }
+
  private:
   pybind11::object transport_;
 };

@@ -1,0 +1,133 @@
+"""One rank of the sizes suite (started by _ranks.launch, never by hand).
+
+    python bench/suites/_sizes_worker.py CONFIG.json RANK
+
+Per dtype, size and collective: qcoll's unquantized call (bits=None) and torch's same call
+at each of the config's thread counts (torch.set_num_threads before each block), in blocks
+of back-to-back calls taking turns (forward, then backward order; a barrier before each
+block only), so that a thread count's time is compared with the other's measured alike.
+Every call's time is kept (the slowest rank's), and each block's total. Rank 0 writes the
+cells as JSON to the config's "out" path."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import qcoll
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from timing import _busy_seconds, _own_seconds  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TORCH_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+TORCH_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def calls(collective: str, size: int, dtype, world: int, group, rank: int) -> dict:
+    """{"qcoll": fn, "torch": fn} for one cell; size: bytes of the full tensor (all-reduce:
+    the tensor; all-gather: its output; reduce-scatter: its input)."""
+    g = torch.Generator().manual_seed(rank)
+    if collective == "all_reduce":
+        x = torch.randn(max(1, size // dtype.itemsize), generator=g).to(dtype)
+
+        def torch_ar():
+            dist.all_reduce(x)
+            x.div_(world)  # gloo has no AVG
+        return {"qcoll": lambda: qcoll.quantized_all_reduce(x, group, bits=None), "torch": torch_ar}
+    n = max(1, size // (world * dtype.itemsize))
+    if collective == "allgather":
+        shard, full = torch.randn(n, generator=g).to(dtype), torch.empty(world * n, dtype=dtype)
+        return {"qcoll": lambda: qcoll.quantized_allgather(full, shard, group, bits=None),
+                "torch": lambda: TORCH_AG(full, shard)}
+    inp, out = torch.randn(world * n, generator=g).to(dtype), torch.empty(n, dtype=dtype)
+
+    def torch_rs():
+        TORCH_RS(out, inp)
+        out.div_(world)
+    return {"qcoll": lambda: qcoll.quantized_reduce_scatter(out, inp, group, intra_bits=None,
+                                                            inter_bits=None),
+            "torch": torch_rs}
+
+
+# Barriers and the reductions of times run on a group of their own: a barrier on torch's
+# group (the baseline's) would leave its threads and sockets warm for the block after it.
+SYNC = None
+
+
+def slowest(values: list) -> list:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=SYNC)
+    return t.tolist()
+
+
+def measure(fns: dict, blocks: int, budget_s: float) -> dict:
+    """fns: name -> (fn, threads). Per name: every call's time and every block's total
+    (slowest rank's)."""
+    for fn, threads in fns.values():  # warm-up; also sizes the blocks
+        torch.set_num_threads(threads)
+        fn()
+    t0 = time.perf_counter()
+    for fn, threads in fns.values():
+        torch.set_num_threads(threads)
+        fn()
+    per_call = slowest([time.perf_counter() - t0])[0] / len(fns)
+    k = int(max(2, min(20, budget_s / max(per_call, 1e-6) / (blocks * len(fns)))))
+    k = int(slowest([k])[0])
+    times = {name: [] for name in fns}
+    totals = {name: [] for name in fns}
+    order = list(fns)
+    wall0, busy0, own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
+    for b in range(blocks):
+        for name in (order if b % 2 == 0 else order[::-1]):
+            fn, threads = fns[name]
+            torch.set_num_threads(threads)
+            dist.barrier(group=SYNC)
+            start = time.perf_counter()
+            for _ in range(k):
+                c0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - c0)
+            totals[name].append(time.perf_counter() - start)
+    # CPU that processes other than the ranks used meanwhile, in cores (machine-wide).
+    wall, busy = time.perf_counter() - wall0, _busy_seconds() - busy0
+    own = torch.tensor([_own_seconds() - own0], dtype=torch.float64)
+    dist.all_reduce(own, group=SYNC)
+    others = max(0.0, busy - own.item()) / wall
+    return {name: {"calls_s": slowest(times[name]), "blocks_s": slowest(totals[name]),
+                   "calls_per_block": k, "other_cores": slowest([others])[0]} for name in fns}
+
+
+def main() -> None:
+    cfg = json.load(open(sys.argv[1]))
+    rank, world = int(sys.argv[2]), cfg["world"]
+    dist.init_process_group("gloo", init_method=f"file://{cfg['store']}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=cfg.get("timeout_s", 300)))
+    group = qcoll.new_group(node_size=cfg["node_size"], backend="torch")
+    global SYNC
+    SYNC = dist.new_group(backend="gloo")
+    cells, done = [], 0
+    for dtype_name, size, collective in cfg["cells"]:
+        fns = calls(collective, size, DTYPES[dtype_name], world, group, rank)
+        timed = measure({f"{name}@{t}": (fn, t) for t in cfg["threads"] for name, fn in fns.items()},
+                        cfg["blocks"], cfg["budget_s"])
+        cells.append({"dtype": dtype_name, "bytes": size, "collective": collective, **timed})
+        done += 1
+        if rank == 0:
+            print(f"PROGRESS {done} {len(cfg['cells'])}", flush=True)
+    if rank == 0:
+        with open(cfg["out"], "w") as f:
+            json.dump({"cells": cells}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""`sizes` suite: qcoll's unquantized collectives (bits=None) against torch's same call on
+gloo, per size, collective and dtype: the ratio of their times, min / median / max of single
+calls, and the stalled calls (issue 26 item 3).
+
+Layouts 2 nodes x 2 and 3 nodes x 2 (local processes, qcoll.new_group(node_size=2)); sizes
+1 KB to 64 MB, every power of 4 (bytes of the full tensor: the all-reduce's tensor, the
+all-gather's output, the reduce-scatter's input); fp32 and bf16. Two launches, each timing
+torch.set_num_threads(2) and (1) in alternating blocks:
+  2 threads / 1 thread     OMP_NUM_THREADS=2 (a plain launch on 2 cores)
+  torchrun 2 / torchrun    OMP_NUM_THREADS=1, as torchrun sets it when it starts several
+                           ranks per node (torchrun: set_num_threads left at 1)
+Calls run back to back in blocks, qcoll's and torch's blocks taking turns (a barrier before
+each block only); ratio = qcoll's block totals / torch's. With more processes than cores a
+single small call is bimodal, torch's included; block totals are not.
+
+Targets (item 3): ratio <= 1.25 from 64 KB up, <= 1.5 below; no stalled call (above both
+3x its cell's median and the median + 20 ms); at 1 thread and under torchrun, qcoll's time
+per call at most 1.3x its 2-thread time.
+
+`ratios(cells)`: a few (collective, bytes) ratios on 2 x 2 in a few seconds, for a gate."""
+
+from __future__ import annotations
+
+import statistics
+
+from timing import human_bytes, size_ladder
+
+from . import _ranks
+
+WORKER = _ranks.WORKER.replace("_worker.py", "_sizes_worker.py")
+COLLECTIVES = ("reduce_scatter", "allgather", "all_reduce")
+LAYOUTS = [(4, 2), (6, 2)]  # (world, node_size)
+LAUNCHES = {  # OMP_NUM_THREADS -> the modes it times: name -> torch.set_num_threads
+    "2": {"2 threads": 2, "1 thread": 1},
+    "1": {"torchrun 2": 2, "torchrun": 1},
+}
+BASE = {"1 thread": "2 threads", "torchrun": "torchrun 2"}  # a mode's 2-thread time
+STALL_FACTOR, STALL_MARGIN_S = 3.0, 0.020
+SMALL_BYTES = 64 << 10
+
+
+def limit(nbytes: int) -> float:
+    return 1.25 if nbytes >= SMALL_BYTES else 1.5
+
+
+def stalls(times: list) -> int:
+    med = statistics.median(times)
+    return sum(t > STALL_FACTOR * med and t > med + STALL_MARGIN_S for t in times)
+
+
+def _launch(world: int, node_size: int, omp: str, cells: list, blocks: int, budget_s: float,
+            progress=None, task=None, modes=None) -> list:
+    modes = modes or LAUNCHES[omp]
+    cfg = dict(world=world, node_size=node_size, threads=list(modes.values()), cells=cells,
+               blocks=blocks, budget_s=budget_s)
+    out = _ranks.launch(cfg, env=lambda r: {"OMP_NUM_THREADS": omp}, progress=progress, task=task,
+                        timeout=1800, worker=WORKER)
+    rows = []
+    for c in out["cells"]:
+        for mode, threads in modes.items():
+            q, t = c[f"qcoll@{threads}"], c[f"torch@{threads}"]
+            row = dict(world=world, node_size=node_size, mode=mode, dtype=c["dtype"], bytes=c["bytes"],
+                       collective=c["collective"], calls=len(q["calls_s"]),
+                       ratio=sum(q["blocks_s"]) / sum(t["blocks_s"]),
+                       qcoll_per_call_s=sum(q["blocks_s"]) / len(q["calls_s"]),
+                       torch_per_call_s=sum(t["blocks_s"]) / len(t["calls_s"]),
+                       other_cores=q.get("other_cores", 0.0))
+            for name, d in (("qcoll", q), ("torch", t)):
+                row[f"{name}_min_s"] = min(d["calls_s"])
+                row[f"{name}_median_s"] = statistics.median(d["calls_s"])
+                row[f"{name}_max_s"] = max(d["calls_s"])
+                row[f"{name}_stalls"] = stalls(d["calls_s"])
+            rows.append(row)
+    return rows
+
+
+def ratios(cells=(("reduce_scatter", 256 << 10), ("allgather", 4 << 10), ("all_reduce", 1 << 20)),
+           dtype: str = "fp32", omp: str = "1", threads: int = 1, blocks: int = 4,
+           budget_s: float = 0.15) -> dict:
+    """{(collective, bytes): qcoll / torch time} on 2 nodes x 2 gloo ranks, in a few seconds
+    (for a gate: compare with a committed ceiling); by default as under torchrun
+    (OMP_NUM_THREADS=1). Also returns each cell's stall count under key
+    (collective, bytes, "stalls")."""
+    rows = _launch(4, 2, omp, [[dtype, b, c] for c, b in cells], blocks, budget_s,
+                   modes={"gate": threads})
+    out = {}
+    for r in rows:
+        out[(r["collective"], r["bytes"])] = r["ratio"]
+        out[(r["collective"], r["bytes"], "stalls")] = r["qcoll_stalls"]
+    return out
+
+
+def run(quick: bool, progress, sizes=None) -> dict:
+    sizes = sizes or size_ladder(1 << 10, 64 << 20, quick)
+    dtypes = ["fp32"] if quick else ["fp32", "bf16"]
+    layouts = LAYOUTS[:1] if quick else LAYOUTS
+    cells = [[d, s, c] for d in dtypes for s in sizes for c in COLLECTIVES]
+    rows = []
+    for world, ns in layouts:
+        for omp in LAUNCHES:
+            task = progress.add_task(f"sizes {world // ns}x{ns}, OMP_NUM_THREADS={omp}", total=len(cells))
+            rows += _launch(world, ns, omp, cells, blocks=4 if quick else 6,
+                            budget_s=0.5 if quick else 1.2, progress=progress, task=task)
+    return {"rows": rows, "targets": targets(rows)}
+
+
+def targets(rows: list) -> dict:
+    """Item 3, met or missed: the worst ratio against its limit, the stalled calls, and the
+    1-thread / torchrun slowdown of qcoll against its own 2-thread time."""
+    over = [r for r in rows if r["ratio"] > limit(r["bytes"])]
+    worst = max(rows, key=lambda r: r["ratio"] / limit(r["bytes"]))
+    stalled = [r for r in rows if r["qcoll_stalls"]]
+    base = {(r["mode"], r["world"], r["dtype"], r["bytes"], r["collective"]): r["qcoll_per_call_s"]
+            for r in rows if r["mode"] in BASE.values()}
+    slow = []
+    for r in rows:
+        two = base.get((BASE.get(r["mode"]), r["world"], r["dtype"], r["bytes"], r["collective"]))
+        if two:
+            r["vs_2_threads"] = r["qcoll_per_call_s"] / two
+            slow.append(r)
+    worst_thread = max(slow, key=lambda r: r["vs_2_threads"]) if slow else None
+    cell = lambda r: (f"{r['collective']} {human_bytes(r['bytes'])} {r['dtype']} "
+                      f"{r['world'] // r['node_size']}x{r['node_size']} {r['mode']}")
+    return {
+        "ratio": {"met": not over, "worst": round(worst["ratio"], 3), "worst_cell": cell(worst),
+                  "over_limit": [f"{cell(r)}: {r['ratio']:.2f}" for r in over]},
+        "stalls": {"met": not stalled, "calls": sum(r["qcoll_stalls"] for r in rows),
+                   "torch_calls": sum(r["torch_stalls"] for r in rows),
+                   "cells": [f"{cell(r)}: {r['qcoll_stalls']}" for r in stalled]},
+        "threads": {"met": all(r["vs_2_threads"] <= 1.3 for r in slow),
+                    "worst": round(worst_thread["vs_2_threads"], 3) if worst_thread else None,
+                    "worst_cell": cell(worst_thread) if worst_thread else None,
+                    "over_limit": [f"{cell(r)}: {r['vs_2_threads']:.2f}" for r in slow
+                                   if r["vs_2_threads"] > 1.3]},
+    }
+
+
+def table(result: dict) -> list:
+    lines = [f"{'layout':7}{'mode':12}{'dtype':6}{'collective':15}{'size':>9}{'ratio':>7}"
+             f"{'qcoll min/med/max ms':>24}{'torch min/med/max ms':>24}{'stalls q/t':>11}{'others':>7}"]
+    for r in result["rows"]:
+        q = "/".join(f"{r[f'qcoll_{k}_s'] * 1e3:.1f}" for k in ("min", "median", "max"))
+        t = "/".join(f"{r[f'torch_{k}_s'] * 1e3:.1f}" for k in ("min", "median", "max"))
+        mark = " *" if r["ratio"] > limit(r["bytes"]) else ""
+        lines.append(f"{r['world'] // r['node_size']}x{r['node_size']:<5}{r['mode']:12}{r['dtype']:6}"
+                     f"{r['collective']:15}{human_bytes(r['bytes']):>9}{r['ratio']:7.2f}{q:>24}{t:>24}"
+                     f"{r['qcoll_stalls']:>6}/{r['torch_stalls']:<4}{r.get('other_cores', 0):5.2f}{mark}")
+    for name, t in result["targets"].items():
+        lines.append(f"target {name}: {'met' if t['met'] else 'MISSED'} {t}")
+    return lines
+
+
+def plot(result: dict, path: str) -> None:
+    from plotting import _plt, _size_axis, _subtitle
+
+    plt = _plt()
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, len(COLLECTIVES), figsize=(6 * len(COLLECTIVES), 4.8), squeeze=False)
+    sizes = sorted({r["bytes"] for r in rows})
+    for ax, coll in zip(axes[0], COLLECTIVES):
+        series = sorted({(r["world"], r["node_size"], r["mode"], r["dtype"]) for r in rows})
+        for world, ns, mode, dtype in series:
+            pts = sorted((r["bytes"], r["ratio"]) for r in rows if r["collective"] == coll
+                         and (r["world"], r["node_size"], r["mode"], r["dtype"]) == (world, ns, mode, dtype))
+            ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", ms=3, lw=1,
+                    label=f"{world // ns}x{ns} {mode} {dtype}")
+        ax.plot(sizes, [limit(s) for s in sizes], "k--", lw=1.5, label="target")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        _size_axis(ax, sizes)
+        ax.set_title(f"{coll}, bits=None: qcoll / torch time")
+        ax.set_xlabel("tensor bytes")
+        ax.set_ylabel("ratio (lower is better)")
+        ax.set_ylim(0, max(2.0, max(r["ratio"] for r in rows) * 1.05))
+    axes[0][0].legend(fontsize=6, ncol=2)
+    fig.suptitle(_subtitle(result), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
