@@ -58,7 +58,7 @@ def test_gate_fails_on_a_deliberately_slowed_kernel():
     result = json.loads(proc.stdout.strip().splitlines()[-1][len("RESULT "):])
     assert result["failed"] and result["retried"] == ["kernels"]
     quantize = [c for c in result["cells"] if c.startswith("kernel quantize ")]
-    assert len(quantize) == 6
+    assert len(quantize) >= 6  # int8, int4, fp8 x fp32, bf16 (and their +H / SR rows)
     for cell in quantize:
         assert result["cells"][cell]["status"] == "slow", (cell, result["cells"][cell])
         assert cell in result["failing_cells"]
