@@ -197,6 +197,8 @@ class CallQueue:
             if item is None:
                 return
             future, run, describe, threads = item
+            del item
+            error = None
             try:
                 if not future.set_running_or_notify_cancel():
                     continue
@@ -204,14 +206,17 @@ class CallQueue:
                     _C.set_openmp_threads(threads)
                 with self._running:
                     error = self._execute(run, describe)
-                if error is not None:
-                    future.set_exception(error)
-                else:
-                    future.set_result(None)
             finally:
+                # Release the call (its tensors, and through its closure its Group) before
+                # the waiter wakes: a Group dropped right after wait() is then freed at once.
+                del run
                 with self._lock:
                     self._pending -= 1
-                del run, item  # the call's tensors are released as soon as it has run
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(None)
+            del future, error
 
 
 def _named(exc: BaseException, describe: str) -> BaseException:
