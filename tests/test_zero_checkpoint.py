@@ -24,7 +24,7 @@ import torch
 
 from checkpoints import same, scratch
 from distributed import run_ranks
-from zero_helpers import OptimizerFactory, gpt, lm_loss
+from zero_helpers import OddNet, OptimizerFactory, gpt, lm_loss, oddnet_batch
 
 WORLD, NODE_SIZE = 4, 2
 CFG = gpt.GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, d_model=16)
@@ -199,6 +199,49 @@ def _worker_full(rank, world, tmp):
     out["shape"] = _rejected(engine, load(dict(single, **{"ln_f.weight": torch.ones(3)})))
     out["tied_differ"] = _rejected(engine, load(dict(single, **{"head.weight": single["wte.weight"] + 1})))
     return out
+
+
+def _odd_engine(group, seed):
+    from qcoll.zero import ZeroConfig, ZeroEngine
+
+    torch.manual_seed(seed)
+    return ZeroEngine(OddNet(), OptimizerFactory("adamw"), group, config=ZeroConfig(unit_modules=(torch.nn.Linear,)))
+
+
+def _worker_odd_save(rank, world, tmp):
+    """OddNet (frozen buffers next to trainable ones, a 0-dim, an empty and an unused
+    parameter, a tied head; prime sizes): saved before its first step and after three."""
+    import torch.distributed.checkpoint as dcp
+
+    import qcoll
+
+    engine = _odd_engine(qcoll.new_group(node_size=world), seed=0)
+    dcp.save(engine.state_dict(), checkpoint_id=os.path.join(tmp, "odd_fresh"))
+    fresh = engine.full_state_dict()
+    for step in range(3):
+        x, y = oddnet_batch(step, 2 * world)
+        engine.zero_grad()
+        engine.backward(lm_loss(engine(x.chunk(world)[rank]), y.chunk(world)[rank]))
+        engine.step()
+    dcp.save(engine.state_dict(), checkpoint_id=os.path.join(tmp, "odd_trained"))
+    return fresh, (engine.full_state_dict(), _optimizer_full(engine), engine.steps)
+
+
+def _worker_odd_load(rank, world, tmp):
+    import qcoll
+
+    engine = _odd_engine(qcoll.new_group(node_size=1), seed=1)
+    _load(engine, os.path.join(tmp, "odd_trained"))
+    trained = (engine.full_state_dict(), _optimizer_full(engine), engine.steps)
+    _load(engine, os.path.join(tmp, "odd_fresh"))  # a checkpoint without optimizer state
+    return trained, (engine.full_state_dict(), len(engine.optimizer.state), engine.steps)
+
+
+def test_odd_model_from_2_ranks_onto_3_before_and_after_its_first_step():
+    saved = run_ranks(2, _worker_odd_save, _dir(), timeout=240)[0]
+    for trained, (fresh, optimizer_entries, steps) in run_ranks(3, _worker_odd_load, _dir(), timeout=240):
+        assert same(trained, saved[1]) and saved[1][1] and saved[1][2] == 3
+        assert same(fresh, saved[0]) and optimizer_entries == 0 and steps == 0
 
 
 def _dir():

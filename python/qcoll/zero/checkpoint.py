@@ -74,8 +74,7 @@ class _Sharding:
 
         shape = torch.Size([flat.numel])
         size, offset = compute_local_shape_and_global_offset(shape, self.mesh, [Shard(0)])
-        if (size[0], offset[0] if size[0] else None) != (local.numel(),
-                                                         self.group.rank * flat.shard_numel if local.numel() else None):
+        if size[0] != local.numel() or (local.numel() and offset[0] != self.group.rank * flat.shard_numel):
             raise RuntimeError(f"qcoll.zero: DTensor's Shard(0) of {flat.numel} elements over {self.group.size} "
                                f"ranks ({list(size)} at {list(offset)}) is not the engine's partition")
         return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=shape, stride=(1,))
@@ -113,8 +112,8 @@ def _optimizer_state_shapes(optimizer) -> dict:
     lrs = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
+    for p in params:  # frozen masters get no gradient, hence no state, as in training
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
     try:
         optimizer.step()
         return {id(p): dict(optimizer.state[p]) for p in params if p in optimizer.state}
