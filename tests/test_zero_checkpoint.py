@@ -81,7 +81,7 @@ def _optimizer_full(engine):
         for name, value in engine.optimizer.state.get(flat.master, {}).items():
             if torch.is_tensor(value) and value.shape == flat.master.shape:
                 whole = torch.empty(flat.padded_numel, dtype=value.dtype)
-                dist.all_gather_into_tensor(whole, value.contiguous(), group=engine.group.pg)
+                dist.all_gather_single(whole, value.contiguous(), group=engine.group.pg)
                 out[(i, name)] = whole[:flat.numel]
             else:
                 out[(i, name)] = value.clone() if torch.is_tensor(value) else value
