@@ -1,10 +1,11 @@
 """ZeroEngine checkpoints through torch.distributed.checkpoint (DCP): saved on 4 ranks as
-2 nodes x 2, resumed on 4, on 6 (3 x 2) and on 2.
+2 nodes x 2, resumed on 4, on 6 (3 x 2), on 2 and on 1.
 
 - Same size: 10 steps, dcp.save(engine.state_dict()), a new process group, a new model (other
   seed), engine and optimizer, dcp.load + load_state_dict(), 10 more steps: losses and weights
   bit-identical to 20 steps straight (ZeRO++ bf16 with clipping; fp16 with dynamic loss
-  scaling, whose scale changes along the way; stage 2 with qWD int4 weights).
+  scaling, whose scale changes along the way; stage 2 with qWD int4 weights). The same state
+  dict saved per rank with torch.save and loaded with torch.load restores the same state.
 - Other sizes: the loaded engine holds exactly the saved weights (full_state_dict), optimizer
   state (every state tensor gathered whole by the test itself), resident weights (stage 2),
   loss scale and step count, and trains on like the straight run.
@@ -134,9 +135,18 @@ def _worker_4(rank, world, tmp):
         first = _engine(qcoll.new_group(dist.new_group(list(range(world))), node_size=NODE_SIZE), **kwargs)
         losses = _global_losses(first, range(HALF), rank, world)
         dcp.save(first.state_dict(), checkpoint_id=os.path.join(tmp, name))
+        per_rank = os.path.join(tmp, f"{name}.rank{rank}.pt")
+        torch.save(first.state_dict(), per_rank)  # the earlier way, at the same world size
         out[name]["saved"] = (first.full_state_dict(), _optimizer_full(first), _resident(first),
                               first.loss_scale, first.steps)
         del first
+
+        by_torch_load = _engine(qcoll.new_group(dist.new_group(list(range(world))), node_size=NODE_SIZE), seed=3,
+                                **kwargs)
+        by_torch_load.load_state_dict(torch.load(per_rank))
+        out[name]["torch_load"] = (by_torch_load.full_state_dict(), _optimizer_full(by_torch_load),
+                                   _resident(by_torch_load), by_torch_load.loss_scale, by_torch_load.steps)
+        del by_torch_load
 
         resumed = _engine(qcoll.new_group(dist.new_group(list(range(world))), node_size=NODE_SIZE), seed=1,
                           **kwargs)
@@ -255,7 +265,7 @@ def _runs(world):
         torch.save(runs[0]["zeropp_bf16"]["saved"][0], os.path.join(_dir(), "zeropp_bf16.full.pt"))
         return runs
     _runs(WORLD)  # writes the checkpoints
-    return run_ranks(world, _worker_resized, 2, _dir(), timeout=300)
+    return run_ranks(world, _worker_resized, min(NODE_SIZE, world), _dir(), timeout=300)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -270,12 +280,18 @@ def test_same_size_resume_is_bit_identical(name):
             assert torch.equal(state[key], value), (rank, key)
 
 
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_per_rank_torch_save_still_resumes_at_the_same_size(name):
+    for rank, result in enumerate(_runs(WORLD)):
+        assert same(result[name]["torch_load"], result[name]["saved"]), (rank, name)
+
+
 def test_fp16_scenario_changed_the_loss_scale():
     """The fp16 run really exercises the scaler: its scale moved from the initial value."""
     assert _runs(WORLD)[0]["zeropp_fp16"]["straight"][2] != 2.0**20
 
 
-@pytest.mark.parametrize("world", [6, 2], ids=["6_ranks_3x2", "2_ranks"])
+@pytest.mark.parametrize("world", [6, 2, 1], ids=["6_ranks_3x2", "2_ranks", "1_rank"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_resume_on_another_world_size_restores_exactly_and_trains_on(name, world):
     saved = _runs(WORLD)[0][name]["saved"]

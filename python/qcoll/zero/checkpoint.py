@@ -17,6 +17,7 @@ lost by leaving it out.
 
 The values are copies: dcp.load fills them, and load_state_dict() checks the engine part
 before anything in the engine changes, so a rejected checkpoint leaves the engine as it was.
+The same dict saved per rank with torch.save also loads back at the same world size.
 load_full_state_dict(): a plain model state dict onto any world size.
 """
 
