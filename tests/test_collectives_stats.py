@@ -131,7 +131,7 @@ def _stats_worker(rank, world, ns, rs_cases, ag_cases):
     for case in rs_cases:
         n, dtype = case["n"], case["dtype"]
         qcoll.reset_stats()
-        assert qcoll.stats() == {"allgather": _zero(), "reduce_scatter": _zero(), "all_reduce": _zero()}, "reset"
+        assert qcoll.stats() == {"allgather": _zero(), "reduce_scatter": _zero(), "all_reduce": _zero(), "auto": {}}, "reset"
         out = torch.empty(n, dtype=dtype)
         x = torch.ones(world * n, dtype=dtype)
         kw = {k: v for k, v in case.items() if k not in ("n", "dtype")}
@@ -173,7 +173,7 @@ def _stats_worker(rank, world, ns, rs_cases, ag_cases):
         assert got == want, f"allgather {case}: stats {got}, expected {want}"
         report.append(("ag", case, got["allgather"]))
     qcoll.reset_stats()
-    assert qcoll.stats() == {"allgather": _zero(), "reduce_scatter": _zero(), "all_reduce": _zero()}
+    assert qcoll.stats() == {"allgather": _zero(), "reduce_scatter": _zero(), "all_reduce": _zero(), "auto": {}}
     return report
 
 
