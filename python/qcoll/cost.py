@@ -10,7 +10,9 @@ that tier while every rank of the group sends at once (so a node's shared uplink
 divided among its ranks, as in a real call), and the latency of one exchange (qcoll's own
 per-call cost included). Per code format a KernelRate: elements per second encoded and
 decoded by one rank while every rank runs the kernel ("raw": copy and fp32 add, what an
-unquantized hop costs). Bytes per hop come from the core's plans (one algorithm, one place).
+unquantized hop costs). Bytes per hop come from the core's plans (one algorithm, one place);
+a prediction is of a repeated call (the first call of a signature on CPU also exchanges a
+32-byte call check with every peer).
 
 The probe is bounded: each measure grows its size by 4x from a small start and stops once a
 call takes `target_s` or the size cap is reached, and the whole probe stops growing sizes
@@ -179,10 +181,12 @@ class CostModel:
         if not isinstance(policy, want):
             raise TypeError(f"policy must be a qcoll.{want.__name__} for {collective!r}, got {type(policy).__name__}")
         if collective == "allgather":
-            return _sum(self._all_gather(numel, dtype, policy.bits, policy.group_size))
-        if collective == "reduce_scatter":
-            return _sum(self._reduce_scatter(numel, dtype, policy))
-        return _sum(self._all_reduce(numel, dtype, policy))
+            parts = self._all_gather(numel, dtype, policy.bits, policy.group_size)
+        elif collective == "reduce_scatter":
+            parts = self._reduce_scatter(numel, dtype, policy)
+        else:
+            parts = self._all_reduce(numel, dtype, policy)
+        return _sum(parts)
 
     def _exchange(self, intra_bytes: float, inter_bytes: float) -> tuple:
         """(intra_s, inter_s) of one exchange; one latency: the slower tier's it touches."""
@@ -229,10 +233,11 @@ class CostModel:
                 b2 = (nodes - 1) * plan.second_chunk(s)
                 hop1 = (*self._exchange(b1, 0), self._kernel(first, self.world * length, self.world * length), b1, 0)
                 hop2 = (*self._exchange(0, b2), self._kernel(second, nodes * length, nodes * length), 0, b2)
-            else:
+            else:  # raw: the transport's own reduce-scatter sends the input as it is, and adds
                 intra_peers, inter_peers = self._peers()
                 bi, be = intra_peers * plan.first_chunk(s), inter_peers * plan.first_chunk(s)
-                hop1 = (*self._exchange(bi, be), self._kernel(first, self.world * length, self.world * length), bi, be)
+                encode = 0 if first is None else self.world * length
+                hop1 = (*self._exchange(bi, be), self._kernel(first, encode, self.world * length), bi, be)
                 hop2 = (0.0, 0.0, 0.0, 0, 0)
             hops.append((hop1, hop2))
         return _pipeline(hops)
