@@ -58,10 +58,11 @@ def test_quantizing_pays_only_on_a_slow_link():
 def test_predicted_raw_all_gather_by_hand():
     m = synthetic(inter_gbit=1.0, intra_gbit=8.0, latency=1e-3)
     p = m.predict("allgather", 1000, torch.float32, AllGatherPolicy(bits=None))
-    chunk = 4000  # raw values: the transport's all-gather, no slot headers
-    assert (p.intra_bytes, p.inter_bytes) == (chunk, 2 * chunk)
+    # The transport's ring over 2 nodes x 2: each rank's 4000-byte chunk (raw: no slot
+    # headers) passes 3 edges; per node one edge of its two crosses nodes.
+    assert (p.intra_bytes, p.inter_bytes) == (6000, 6000)
     assert p.kernel_s == 0
-    assert p.seconds == pytest.approx(chunk / (8 * GBIT) + 2 * chunk / GBIT + 1e-3)
+    assert p.seconds == pytest.approx(6000 / (8 * GBIT) + 6000 / GBIT + 1e-3)
 
 
 def test_checks():
@@ -115,17 +116,18 @@ def _probe(rank, world, budget):
     t1 = time.perf_counter()
     again = qcoll.cost_model(g)  # cached: no probe, no communication
     cached_s = time.perf_counter() - t1
-    # The bytes predicted per call are the bytes qcoll.stats() counts for a repeated call (the
-    # first of a signature also exchanges the call check).
+    # The all-to-all hops' predicted bytes are the bytes qcoll.stats() counts for a repeated
+    # call (the first of a signature also exchanges the call check).
     counted = {}
-    x = torch.randn(3000)
-    for bits in (None, 8):
-        qcoll.quantized_allgather(torch.empty(world * 3000), x, g, bits=bits)
+    x = torch.randn(world * 3000)
+    for hierarchical in (None, False):
+        policy = ReduceScatterPolicy(pipeline_stages=1, hierarchical=hierarchical)
+        qcoll.quantized_reduce_scatter(torch.empty(3000), x, g, **policy.kwargs())
         qcoll.reset_stats()
-        qcoll.quantized_allgather(torch.empty(world * 3000), x, g, bits=bits)
-        s = qcoll.stats()["allgather"]
-        p = m.predict("allgather", 3000, torch.float32, AllGatherPolicy(bits=bits))
-        counted[bits] = ((s["intra_bytes"], s["inter_bytes"]), (p.intra_bytes, p.inter_bytes))
+        qcoll.quantized_reduce_scatter(torch.empty(3000), x, g, **policy.kwargs())
+        s = qcoll.stats()["reduce_scatter"]
+        p = m.predict("reduce_scatter", 3000, torch.float32, policy)
+        counted[hierarchical] = ((s["intra_bytes"], s["inter_bytes"]), (p.intra_bytes, p.inter_bytes))
     out = (m.to_dict(), elapsed, again is m, cached_s, counted)
     g.close()
     return out

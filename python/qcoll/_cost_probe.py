@@ -6,7 +6,6 @@ rate: the ranks end with identical numbers."""
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -32,7 +31,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn, device: torch.device) -> float:
+def _best_time(fn, device: torch.device) -> float:
+    """The fastest of a few timed calls after a warm-up: on a machine shared with other
+    jobs the fastest is the call's own cost, the others carry their interference."""
     fn()  # warm-up (first-use allocations, connections)
     times = []
     for _ in range(cm._REPEATS):
@@ -41,7 +42,7 @@ def _median_time(fn, device: torch.device) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def _link(group, tier, device: torch.device, deadline: float) -> cm.Link:
@@ -52,7 +53,7 @@ def _link(group, tier, device: torch.device, deadline: float) -> cm.Link:
     def gather_time(nbytes: int) -> float:
         src = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         dst = torch.empty(nbytes * tier.size, dtype=torch.uint8, device=device)
-        t = _median_time(lambda: quantized_allgather(dst, src, tier, bits=None), device)
+        t = _best_time(lambda: quantized_allgather(dst, src, tier, bits=None), device)
         return agreed_max(group, [t], device)[0]
 
     latency = gather_time(cm._LATENCY_BYTES)
@@ -72,11 +73,11 @@ def _kernel_times(fmt: str, n: int, device: torch.device) -> tuple:
     x = torch.randn(n, device=device)
     if fmt == cm.RAW:
         buf, acc = torch.empty_like(x), torch.zeros_like(x)
-        return (_median_time(lambda: buf.copy_(x), device), _median_time(lambda: acc.add_(x), device))
+        return (_best_time(lambda: buf.copy_(x), device), _best_time(lambda: acc.add_(x), device))
     q = quantize(x, bits=fmt)
     out = torch.empty_like(x)
-    return (_median_time(lambda: quantize(x, bits=fmt, out=q), device),
-            _median_time(lambda: dequantize(q, out=out), device))
+    return (_best_time(lambda: quantize(x, bits=fmt, out=q), device),
+            _best_time(lambda: dequantize(q, out=out), device))
 
 
 def _kernels(group, device: torch.device, deadline: float) -> dict:

@@ -194,9 +194,10 @@ def _decide(kind: str, g, device, numel: int, dtype, configured, candidates: lis
         times = [model.predict(_MODEL_KIND[kind], numel, dtype, c).seconds for c in candidates]
         best = min(range(len(candidates)), key=lambda i: (times[i], i))
         _agree(g, description, repr(candidates[best]))
-        decisions[description] = (candidates[best], label(kind, candidates[best], model))
-        _log(kind, g, numel, dtype, configured, candidates, times, best, model)
-    chosen, name = decisions[description]
+        options = [(label(kind, c, model), t) for c, t in zip(candidates, times)]
+        decisions[description] = (candidates[best], options[best][0], options)
+        _log(kind, g, numel, dtype, configured, options, best)
+    chosen, name, _ = decisions[description]
     with _LOCK:
         _COUNTS[kind][name] += 1
     return chosen
@@ -214,10 +215,18 @@ def _agree(g, description: tuple, choice: str) -> None:
         raise ValueError(f"qcoll policy='auto': ranks disagree on the call or its choice:\n{lines}")
 
 
-def _log(kind, g, numel, dtype, configured, candidates, times, best, model) -> None:
+def _log(kind, g, numel, dtype, configured, options, best) -> None:
     if "policy" not in os.environ.get("QCOLL_LOG", "").split(",") or g.rank != 0:
         return
-    options = "; ".join(f"{label(kind, c, model)} {t * 1e3:.2f} ms" for c, t in zip(candidates, times))
+    predicted = "; ".join(f"{name} {t * 1e3:.2f} ms" for name, t in options)
     print(f"qcoll policy auto: {kind} of {numel} {dtype} elements on {g.size} ranks "
-          f"({g.node_size} per node), configured {configured}: chose {label(kind, candidates[best], model)} "
-          f"(predicted {options})", file=sys.stderr, flush=True)
+          f"({g.node_size} per node), configured {configured}: chose {options[best][0]} "
+          f"(predicted {predicted})", file=sys.stderr, flush=True)
+
+
+def decisions(group=None) -> dict:
+    """The group's decisions so far: {(kind, numel, dtype, device, configured policy):
+    {"choice": name, "predicted_s": {candidate name: seconds}}}."""
+    g = resolve_group(group)
+    return {d: {"choice": name, "predicted_s": dict(options)}
+            for d, (_, name, options) in _DECISIONS.get(g, {}).items()}

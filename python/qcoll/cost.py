@@ -88,7 +88,9 @@ class KernelRate:
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     """Predicted seconds of one call, split into what the links and the kernels take, and
-    the bytes one rank sends per tier."""
+    the bytes one rank's share of each tier's links carries (all-to-all hops: what
+    qcoll.stats() counts; ring hops, the transport's all-gather and reduce-scatter: less
+    across nodes, the chunks cross once per node)."""
 
     seconds: float
     intra_s: float
@@ -199,6 +201,17 @@ class CostModel:
         """(intra, inter) peers of one rank in an exchange over the whole group."""
         return self.node_size - 1, self.world - self.node_size
 
+    def _ring(self, chunk: int) -> tuple:
+        """(intra, inter) bytes one rank's link carries in the transport's ring all-gather or
+        reduce-scatter of one `chunk` per rank: every chunk passes every ring edge but one,
+        and a node-contiguous ring has one cross-node edge per node, shared by its ranks."""
+        hops = (self.world - 1) * chunk
+        if self.world == self.node_size:
+            return hops, 0
+        if self.node_size == 1:
+            return 0, hops
+        return hops * (self.node_size - 1) / self.node_size, hops / self.node_size
+
     def _kernel(self, fmt: Optional[str], encode: float, decode: float) -> float:
         rate = self.kernels[fmt or RAW]
         return encode / rate.encode + decode / rate.decode
@@ -207,12 +220,12 @@ class CostModel:
         headers = self.device == "cpu"
         wire = format_code(bits, "bits")
         plan = _C.plan_all_gather(self.world, n, _dtype_code(dtype), wire, group_size, headers)
-        intra_peers, inter_peers = self._peers()
         fmt = format_of(wire)
-        # Raw: the transport's all-gather (no kernels); quantized: encode mine, decode all.
+        # Both go through the transport's (ring) all-gather: raw values, or the encoded slots.
+        # Quantized: encode mine, decode all.
         kernel = 0.0 if fmt is None else self._kernel(fmt, n, self.world * n)
-        return [(*self._exchange(intra_peers * plan.chunk, inter_peers * plan.chunk), kernel,
-                 intra_peers * plan.chunk, inter_peers * plan.chunk)]
+        intra, inter = self._ring(plan.chunk)
+        return [(*self._exchange(intra, inter), kernel, intra, inter)]
 
     def _rs_plan(self, n: int, dtype, p: ReduceScatterPolicy):
         hier = -1 if p.hierarchical is None else int(p.hierarchical)
@@ -233,13 +246,14 @@ class CostModel:
                 b2 = (nodes - 1) * plan.second_chunk(s)
                 hop1 = (*self._exchange(b1, 0), self._kernel(first, self.world * length, self.world * length), b1, 0)
                 hop2 = (*self._exchange(0, b2), self._kernel(second, nodes * length, nodes * length), 0, b2)
-            else:  # raw: the transport's own reduce-scatter sends the input as it is, and adds
+            elif first is None:  # raw: the transport's own (ring) reduce-scatter, which adds
+                bi, be = self._ring(plan.first_chunk(s))
+                hop1 = (*self._exchange(bi, be), self._kernel(first, 0, self.world * length), bi, be)
+            else:  # one quantized all-to-all over the group
                 intra_peers, inter_peers = self._peers()
                 bi, be = intra_peers * plan.first_chunk(s), inter_peers * plan.first_chunk(s)
-                encode = 0 if first is None else self.world * length
-                hop1 = (*self._exchange(bi, be), self._kernel(first, encode, self.world * length), bi, be)
-                hop2 = (0.0, 0.0, 0.0, 0, 0)
-            hops.append((hop1, hop2))
+                hop1 = (*self._exchange(bi, be), self._kernel(first, self.world * length, self.world * length), bi, be)
+            hops.append((hop1, hop2 if plan.two_hop else (0.0, 0.0, 0.0, 0, 0)))
         return _pipeline(hops)
 
     def _all_reduce(self, numel: int, dtype, p: AllReducePolicy) -> list:
