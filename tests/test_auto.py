@@ -155,3 +155,41 @@ def test_plugins_take_auto():
     assert "policy" not in ZeroConfig().grad_policy.kwargs()
     with pytest.raises(TypeError, match="'auto' or None"):
         take_policy("fast", qcoll.AllGatherPolicy(), ALL_GATHER)
+
+
+def _engine_losses(rank, world, fast):
+    from qcoll.zero import ZeroEngine
+    from zero_helpers import OddNet, OptimizerFactory, oddnet_batch, train_engine
+
+    out = {}
+    for name, config in (("auto", ZeroConfig(compute_dtype=torch.float32, policy="auto")),
+                         ("ZeRO-3 + hpZ", ZeroConfig(compute_dtype=torch.float32, qwz=False, qgz=False)),
+                         ("ZeRO++", ZeroConfig(compute_dtype=torch.float32))):
+        g = qcoll.new_group(node_size=NODE_SIZE)
+        qcoll.cost_model(g, model=fast if fast else synthetic(inter_gbit=0.01))
+        qcoll.reset_stats()
+        torch.manual_seed(0)
+        engine = ZeroEngine(OddNet(), OptimizerFactory("adamw"), g, config=config)
+        out[name] = (train_engine(engine, lambda s: oddnet_batch(s, 8), 3, rank, world), qcoll.stats()["auto"])
+        g.close()
+    return out
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_zero_engine_with_auto_trains_as_the_chosen_configuration(fast):
+    """With a fast link auto runs every call uncompressed: the losses are ZeRO-3's (hpZ's
+    backward gather of exact weights is exact); with a slow one every weight gather is
+    quantized and the losses differ from ZeRO-3's. Both count their choices."""
+    model = synthetic(inter_gbit=5000.0, intra_gbit=5000.0, kernel=1e6) if fast else None
+    results = run_ranks(4, _engine_losses, model, timeout=240)
+    for r in results[1:]:
+        assert r == results[0]
+    (auto, counts), (zero3, _), (zeropp, _) = (results[0][k] for k in ("auto", "ZeRO-3 + hpZ", "ZeRO++"))
+    assert zero3 != zeropp
+    if fast:
+        assert auto == zero3
+        assert set(counts) == {"allgather", "reduce_scatter"} and all(set(c) == {"uncompressed"} for c in counts.values())
+    else:
+        assert auto != zero3
+        assert set(counts["allgather"]) == {"quantized"}
+        assert all(name.startswith("quantized") for name in counts["reduce_scatter"])
