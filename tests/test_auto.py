@@ -125,8 +125,27 @@ def _disagree(rank, world, model):
 
 def test_a_rank_with_another_configuration_raises_on_every_rank():
     for message in run_ranks(4, _disagree, synthetic(inter_gbit=0.1), timeout=120):
-        assert "ranks disagree on the call or its choice" in message
+        assert "ranks disagree on the call" in message
         assert "rank 3: ('allgather'" in message and "bits=4" in message
+
+
+def _mixed(rank, world, model):
+    g = qcoll.new_group(node_size=NODE_SIZE)
+    qcoll.cost_model(g, model=model)
+    try:
+        qcoll.quantized_allgather(torch.empty(world * N), torch.randn(N), g, policy="auto" if rank == 0 else None)
+        return "no error"
+    except ValueError as e:
+        return str(e)
+    finally:
+        g.close()
+
+
+def test_a_rank_without_auto_among_ranks_with_it_raises_on_every_rank():
+    """The first exchange of a new auto description is a qcoll call, whose call check meets
+    the other ranks' call: an error on every rank, not a hang."""
+    for message in run_ranks(4, _mixed, synthetic(inter_gbit=0.1), timeout=120):
+        assert "ranks disagree on the call" in message and "32 bytes" in message, message
 
 
 def test_argument_checks_before_communication():

@@ -16,8 +16,8 @@ Equal predictions go to the uncompressed call.
 The choice depends only on the call's description (kind, sizes, dtype, the configured
 policy), the group's shape and its cost model, which every rank holds identically
 (cost_model agrees it across ranks), so every rank chooses the same. The first time a
-rank meets a description, the ranks compare it and their choice, and raise ValueError on
-every rank when they differ. qcoll.stats()["auto"] counts calls per choice;
+rank meets a description, the ranks compare it (before any other exchange) and raise
+ValueError on every rank when they differ. qcoll.stats()["auto"] counts calls per choice;
 QCOLL_LOG=policy prints each distinct decision once, with the predicted times.
 Error feedback residuals are kept pending while a call runs uncompressed (an exact call
 delivers none of them) and compensated at the next quantized call.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import os
 import sys
 import threading
@@ -185,15 +186,16 @@ def _path(policy: ReduceScatterPolicy, model) -> str:
 
 
 def _decide(kind: str, g, device, numel: int, dtype, configured, candidates: list):
-    """The fastest candidate by the group's cost model (the first of equals: uncompressed),
-    agreed across ranks the first time this description is met, then counted."""
+    """The fastest candidate by the group's cost model (the first of equals: uncompressed).
+    The first time a description is met the ranks compare it, before any other exchange;
+    the choice is then a function of agreed inputs only. Counted per choice."""
     description = (kind, numel, str(dtype), device.type, repr(configured))
     decisions = _DECISIONS.setdefault(g, {})
     if description not in decisions:
+        _agree(g, description, device)
         model = cost_model(g, device=device)
         times = [model.predict(_MODEL_KIND[kind], numel, dtype, c).seconds for c in candidates]
         best = min(range(len(candidates)), key=lambda i: (times[i], i))
-        _agree(g, description, repr(candidates[best]))
         options = [(label(kind, c, model), t) for c, t in zip(candidates, times)]
         decisions[description] = (candidates[best], options[best][0], options)
         _log(kind, g, numel, dtype, configured, options, best)
@@ -203,16 +205,25 @@ def _decide(kind: str, g, device, numel: int, dtype, configured, candidates: lis
     return chosen
 
 
-def _agree(g, description: tuple, choice: str) -> None:
+def _agree(g, description: tuple, device) -> None:
+    """ValueError on every rank unless every rank describes the call the same way. The
+    digests travel in a qcoll all-gather of 32 bytes, whose call check also meets a rank
+    that made another call instead (one without policy="auto": every rank raises there)."""
     if g.size == 1:
         return
-    mine = (description, choice)
-    views = [None] * g.size
+    from .collectives import quantized_allgather
+
+    digest = hashlib.sha256(repr(description).encode()).digest()
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+    every = torch.empty(g.size * len(digest), dtype=torch.uint8, device=device)
+    quantized_allgather(every, mine, g, bits=None)
+    if all(bytes(every[r * len(digest):(r + 1) * len(digest)].cpu().tolist()) == digest for r in range(g.size)):
+        return
+    views = [None] * g.size  # every rank is here: name what each one described
     g._calls.drain()  # as _debug_check: g.pg is never used by two threads at once
-    dist.all_gather_object(views, mine, group=g.pg)
-    if any(v != views[0] for v in views):
-        lines = "\n".join(f"  rank {r}: {v[0]} -> {v[1]}" for r, v in enumerate(views))
-        raise ValueError(f"qcoll policy='auto': ranks disagree on the call or its choice:\n{lines}")
+    dist.all_gather_object(views, description, group=g.pg)
+    lines = "\n".join(f"  rank {r}: {v}" for r, v in enumerate(views))
+    raise ValueError(f"qcoll policy='auto': ranks disagree on the call:\n{lines}")
 
 
 def _log(kind, g, numel, dtype, configured, options, best) -> None:
