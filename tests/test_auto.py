@@ -110,12 +110,17 @@ def test_auto_chooses_by_the_model_on_every_rank():
     assert results[1]["slow"]["log"] == ""
 
 
-def _disagree(rank, world, model):
+def _one_rank_differs(rank, world, model, case):
+    """case "bits": rank 3 configures int4, the others int8; "no auto": rank 0 alone passes
+    policy="auto"."""
     g = qcoll.new_group(node_size=NODE_SIZE)
     qcoll.cost_model(g, model=model)
-    x = torch.randn(N)
+    if case == "bits":
+        kwargs = dict(policy="auto", bits=4 if rank == 3 else 8)
+    else:
+        kwargs = dict(policy="auto" if rank == 0 else None)
     try:
-        qcoll.quantized_allgather(torch.empty(world * N), x, g, policy="auto", bits=4 if rank == 3 else 8)
+        qcoll.quantized_allgather(torch.empty(world * N), torch.randn(N), g, **kwargs)
         return "no error"
     except ValueError as e:
         return str(e)
@@ -124,27 +129,15 @@ def _disagree(rank, world, model):
 
 
 def test_a_rank_with_another_configuration_raises_on_every_rank():
-    for message in run_ranks(4, _disagree, synthetic(inter_gbit=0.1), timeout=120):
+    for message in run_ranks(4, _one_rank_differs, synthetic(inter_gbit=0.1), "bits", timeout=120):
         assert "ranks disagree on the call" in message
         assert "rank 3: ('allgather'" in message and "bits=4" in message
-
-
-def _mixed(rank, world, model):
-    g = qcoll.new_group(node_size=NODE_SIZE)
-    qcoll.cost_model(g, model=model)
-    try:
-        qcoll.quantized_allgather(torch.empty(world * N), torch.randn(N), g, policy="auto" if rank == 0 else None)
-        return "no error"
-    except ValueError as e:
-        return str(e)
-    finally:
-        g.close()
 
 
 def test_a_rank_without_auto_among_ranks_with_it_raises_on_every_rank():
     """The first exchange of a new auto description is a qcoll call, whose call check meets
     the other ranks' call: an error on every rank, not a hang."""
-    for message in run_ranks(4, _mixed, synthetic(inter_gbit=0.1), timeout=120):
+    for message in run_ranks(4, _one_rank_differs, synthetic(inter_gbit=0.1), "no auto", timeout=120):
         assert "ranks disagree on the call" in message and "32 bytes" in message, message
 
 
