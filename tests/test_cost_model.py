@@ -150,8 +150,13 @@ def test_probe_bounded_agreed_cached():
 
 
 def _disagree(rank, world, models, path):
+    import os
+
     g = qcoll.new_group(node_size=NODE_SIZE)
-    out = []
+    os.environ["QCOLL_COST_MODEL"] = path  # the file an earlier probe wrote, at first use
+    from_env = qcoll.cost_model(g).source
+    del os.environ["QCOLL_COST_MODEL"]
+    out = [from_env]
     for case in ("model", "file", "world"):
         try:
             if case == "model":
@@ -174,7 +179,8 @@ def test_a_rank_that_disagrees_raises_on_every_rank(tmp_path):
     base.save(path)
     other.save(path + ".other")
     results = run_ranks(4, _disagree, [base, other, base, base], path, timeout=120)
-    for rank, messages in enumerate(results):
+    for rank, (from_env, *messages) in enumerate(results):
+        assert from_env == f"file {path}"
         for message in messages:
             assert "cost models disagree or do not fit" in message, (rank, message)
         assert "rank 1: user" in messages[0]
