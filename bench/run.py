@@ -21,6 +21,11 @@ Suites:
   sizes        qcoll's unquantized collectives (bits=None) vs torch's same call, 1 KB to
                64 MB, 2 x 2 and 3 x 2 gloo ranks, 2 threads / 1 thread / torchrun's
                OMP_NUM_THREADS=1: ratio, min / median / max and stalled calls (issue 26)
+  auto         policy="auto" and the cost model on the emulated cluster (2 x 2, 3 x 2; unthrottled,
+               10 and 1 Gbit/s): predicted vs measured, auto vs the uncompressed and the
+               quantized call, and the ZeRO-3 step with auto vs ZeRO-3 and ZeRO++; needs root
+  project      the cost model projected to 16 .. 1,024 GPUs (8 per node; 100 / 200 / 400 Gbit/s per
+               node): ZeRO-3 vs ZeRO++ steps and collective times, next to the papers' figures
   fidelity     issue 12's bar: final loss vs an fp32 reference and cross-node bytes of
                ZeRO-3, ZeRO++ (+ Hadamard) and SDP4Bit (stage 2, qWD) on the convergence
                test's language model
@@ -46,7 +51,8 @@ import torch  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 
 import qcoll  # noqa: E402
-from suites import cluster, collectives, error_feedback, fidelity, gate, group_size, kernels, sizes, zero  # noqa: E402
+from suites import (auto, cluster, collectives, error_feedback, fidelity, gate, group_size, kernels,  # noqa: E402
+                    project, sizes, zero)  # noqa: E402
 from timing import parse_sizes  # noqa: E402
 
 # Each suite module provides run(quick, progress, **options) -> dict, table(result) -> lines,
@@ -61,6 +67,8 @@ SUITES = {
     "fidelity": fidelity,
     "gate": gate,
     "sizes": sizes,
+    "auto": auto,
+    "project": project,
 }
 OPTIONS = {  # suite -> the options of this command line it understands
     "kernels": {"sizes", "device"},
@@ -72,6 +80,8 @@ OPTIONS = {  # suite -> the options of this command line it understands
     "fidelity": {"tiny"},
     "gate": {"update", "slow", "gate_parts"},
     "sizes": {"sizes"},
+    "auto": {"sizes"},
+    "project": set(),
 }
 
 

@@ -101,3 +101,23 @@ def test_fidelity_tiny_result_line():
     # qWD int4 weights + int8/int4 gradients: well under ZeRO-3's cross-node bytes.
     assert rows["SDP4Bit, no Hadamard"]["inter_bytes_vs_zero3"] < 0.15
     assert "loss_gap_ZeRO++" in result["targets"]
+
+
+def test_project_result_line():
+    """The projection covers every GPU count and link, and its model behaves: a faster
+    link shrinks ZeRO++'s speedup, and the paper rows carry both figures."""
+    result = _result("project")
+    rows = result["rows"]
+    assert {(r["gpus"], r["inter_gbit_per_node"]) for r in rows} == \
+        {(g, b) for g in (16, 32, 64, 128, 256, 512, 1024) for b in (100, 200, 400)}
+    for g in (16, 1024):
+        speedups = [next(r["step"]["zeropp_speedup"] for r in rows if (r["gpus"], r["inter_gbit_per_node"]) == (g, b))
+                    for b in (100, 200, 400)]
+        assert speedups == sorted(speedups, reverse=True) and speedups[-1] > 1
+    for r in rows:  # auto is never slower than either fixed configuration
+        s = r["step"]
+        assert s["auto"]["step_s"] <= min(s["ZeRO-3"]["step_s"], s["ZeRO++"]["step_s"]) * (1 + 1e-9)
+    assert set(result["papers"]) == {"zeropp_2.16x", "zeropp_4x_bytes", "sdp4bit_4.08x",
+                                     "agoq_allreduce_200g", "agoq_allreduce_10g"}
+    assert all(p["projected"] > 1 for p in result["papers"].values())
+    assert "HBM" in result["assumptions"]["kernel_rates"] or "measured" in result["assumptions"]["kernel_rates"]

@@ -131,7 +131,7 @@ def _stats_worker(rank, world, ns, rs_cases, ag_cases):
     for case in rs_cases:
         n, dtype = case["n"], case["dtype"]
         qcoll.reset_stats()
-        assert qcoll.stats() == {"allgather": _zero(), "reduce_scatter": _zero(), "all_reduce": _zero()}, "reset"
+        assert qcoll.stats() == {"allgather": _zero(), "reduce_scatter": _zero(), "all_reduce": _zero(), "auto": {}}, "reset"
         out = torch.empty(n, dtype=dtype)
         x = torch.ones(world * n, dtype=dtype)
         kw = {k: v for k, v in case.items() if k not in ("n", "dtype")}
@@ -151,7 +151,7 @@ def _stats_worker(rank, world, ns, rs_cases, ag_cases):
                 "reduce_scatter": {"calls": 2, "intra_bytes": 2 * intra - (2 - checks) * CALL * (ns - 1),
                                    "inter_bytes": 2 * inter - (2 - checks) * CALL * (world - ns),
                                    "header_bytes": 2 * headers - (2 - checks) * CALL * (world - 1)},
-                "all_reduce": _zero()}
+                "all_reduce": _zero(), "auto": {}}
         got = qcoll.stats()
         assert got == want, f"reduce_scatter {case}: stats {got}, expected {want}"
         report.append(("rs", case, got["reduce_scatter"]))
@@ -168,12 +168,12 @@ def _stats_worker(rank, world, ns, rs_cases, ag_cases):
         headers = _headers(gw, gns, n, bits, bits, 1, None, allgather=True)
         want = {"allgather": {"calls": 1, "intra_bytes": intra, "inter_bytes": inter,
                               "header_bytes": headers},
-                "reduce_scatter": _zero(), "all_reduce": _zero()}
+                "reduce_scatter": _zero(), "all_reduce": _zero(), "auto": {}}
         got = qcoll.stats()
         assert got == want, f"allgather {case}: stats {got}, expected {want}"
         report.append(("ag", case, got["allgather"]))
     qcoll.reset_stats()
-    assert qcoll.stats() == {"allgather": _zero(), "reduce_scatter": _zero(), "all_reduce": _zero()}
+    assert qcoll.stats() == {"allgather": _zero(), "reduce_scatter": _zero(), "all_reduce": _zero(), "auto": {}}
     return report
 
 

@@ -135,7 +135,7 @@ def test_plugins_take_a_policy_instead_of_loose_keywords():
         QuantizedAllGather(bits=4, policy=ag)
     with pytest.raises(TypeError, match="pass either policy= or inter_bits, pipeline_stages, not both"):
         QuantizedReduceScatter(inter_bits=8, pipeline_stages=3, policy=rs)
-    with pytest.raises(TypeError, match="policy must be a qcoll.ReduceScatterPolicy or None, got AllGatherPolicy"):
+    with pytest.raises(TypeError, match="policy must be a qcoll.ReduceScatterPolicy, 'auto' or None, got AllGatherPolicy"):
         QuantizedReduceScatter(policy=ag)
 
 

@@ -3,6 +3,7 @@
 from ._version import __version__
 from ._calls import CommunicationError, Work
 from .all_reduce import quantized_all_reduce
+from .cost import CostModel, cost_model
 from .collectives import quantized_allgather, quantized_reduce_scatter
 from .delta import delta_allgather
 from .error_feedback import ErrorFeedback
@@ -17,6 +18,7 @@ __all__ = [
     "AllGatherPolicy",
     "AllReducePolicy",
     "CommunicationError",
+    "CostModel",
     "DEFAULT_GROUP_SIZE",
     "ErrorFeedback",
     "Group",
@@ -24,6 +26,7 @@ __all__ = [
     "ReduceScatterPolicy",
     "Work",
     "build_info",
+    "cost_model",
     "delta_allgather",
     "dequantize",
     "destroy",

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from . import _C
+from . import _C, auto
 from ._dtypes import dtype_code
 from ._formats import format_of
 from .collectives import (
@@ -60,7 +60,7 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
                          inter_bits=ALL_REDUCE.inter_bits, group_size: Optional[int] = None,
                          hierarchical: bool = ALL_REDUCE.hierarchical,
                          pipeline_stages: Optional[int] = ALL_REDUCE.pipeline_stages,
-                         error_feedback=None, async_op: bool = False):
+                         error_feedback=None, async_op: bool = False, policy=None):
     """all_reduce semantics, in place: every rank's tensor becomes op ("avg": the mean,
     "sum") over the ranks' tensors, computed in fp32, in the tensor's dtype.
 
@@ -77,8 +77,15 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     error_feedback: a qcoll.ErrorFeedback kept for this tensor (see qcoll.error_feedback):
     the residuals of this rank's input encode, of its partial sums' inter-node re-encode
     (2-hop) and of its shard's all-gather encode.
+    policy="auto": the group's cost model chooses per call between bits=None and this
+    configuration on the paths it leaves open (qcoll.auto).
     Returns a Work with async_op=True (one for the whole call), else None.
     """
+    if policy is not None:
+        return auto.all_reduce(quantized_all_reduce, tensor, group, policy, op=op,
+                               error_feedback=error_feedback, async_op=async_op, bits=bits,
+                               inter_bits=inter_bits, group_size=group_size,
+                               pipeline_stages=pipeline_stages, hierarchical=hierarchical)
     size = _ranks_in(group)
     code = _check_tensor(tensor)
     _check_op(op)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, auto
 from ._calls import Work, new_traffic
 from ._device import device_args
 from ._dtypes import BYTES_CODE, DTYPE_CODES, dtype_code
@@ -244,13 +244,17 @@ def _carve(workspace: torch.Tensor, offset: int, numel: int, dtype: torch.dtype)
 
 
 def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *, bits=ALL_GATHER.bits,
-                        group_size: Optional[int] = None, async_op: bool = False):
+                        group_size: Optional[int] = None, async_op: bool = False, policy=None):
     """all_gather_into_tensor semantics: output = concatenation of every rank's input, in
     rank order. bits=8 / "int8", 4 / "int4" or "fp8_e4m3" block-quantizes what travels
     (every rank, this one included, dequantizes the same bytes, so all outputs are
     bit-identical); bits=None is the transport's own all-gather in the input dtype, which
     may then be any dtype (a non-float one travels as raw bytes, exactly). The input may be a view of this rank's
-    slot of the output (in place)."""
+    slot of the output (in place). policy="auto": the group's cost model chooses between this
+    call and bits=None per call (qcoll.auto)."""
+    if policy is not None:
+        return auto.all_gather(quantized_allgather, output, input, group, policy, bits=bits,
+                               group_size=group_size, async_op=async_op)
     size = _ranks_in(group)
     n = input.numel() if isinstance(input, torch.Tensor) else 0
     policy = AllGatherPolicy(bits=bits, group_size=group_size)
@@ -275,7 +279,7 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
                              group_size: Optional[int] = None, pipeline_stages: Optional[int] = None,
                              hierarchical: Optional[bool] = None, error_feedback=None,
                              hadamard: bool = False, hadamard_size: Optional[int] = None,
-                             async_op: bool = False):
+                             async_op: bool = False, policy=None):
     """reduce_scatter_tensor semantics: rank r's output = op over ranks of
     input[r*n:(r+1)*n], n = output.numel(). op: "avg" (true mean) or "sum"; reduced in fp32.
 
@@ -301,7 +305,16 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     transforms, the partial sums between the hops stay in the transformed domain, and the
     final decode transforms back. Raw hops (bits=None) carry plain values; with both bits
     None it is an error.
+
+    policy="auto": the group's cost model chooses per call between the transport's own
+    reduce-scatter and this configuration on the paths it leaves open (qcoll.auto).
     """
+    if policy is not None:
+        return auto.reduce_scatter(
+            quantized_reduce_scatter, output, input, group, policy, async_op=async_op,
+            error_feedback=error_feedback, op=op, intra_bits=intra_bits, inter_bits=inter_bits,
+            group_size=group_size, pipeline_stages=pipeline_stages, hierarchical=hierarchical,
+            hadamard=hadamard, hadamard_size=hadamard_size)
     size = _ranks_in(group)
     n = output.numel() if isinstance(output, torch.Tensor) else 0
     code = _check_pair(output, input, n, size * n, "quantized_reduce_scatter")

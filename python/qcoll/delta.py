@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from . import auto
 from ._dtypes import DTYPE_CODES
 from ._formats import RAW_CODE
 from .collectives import _allgather_core, _check_pair, _debug_check, _ranks_in, _run, quantized_allgather
@@ -38,7 +39,7 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def delta_allgather(full: torch.Tensor, shard: torch.Tensor, group=None, *,
                     bits: Optional[int] = DELTA_ALL_GATHER.bits,
-                    group_size: Optional[int] = None, async_op: bool = False):
+                    group_size: Optional[int] = None, async_op: bool = False, policy=None):
     """Weight-difference all-gather (SDP4Bit's qWD).
 
     On entry `full` (group size * shard.numel() elements) holds last step's gathered tensor,
@@ -52,7 +53,11 @@ def delta_allgather(full: torch.Tensor, shard: torch.Tensor, group=None, *,
 
     bits=None sends the new values themselves (the transport's all-gather in full's dtype):
     `full` becomes exactly the gathered shards. Bytes count under qcoll.stats()'s
-    "allgather" (the core's all-gather carries them)."""
+    "allgather" (the core's all-gather carries them). policy="auto": the group's cost model
+    chooses per call between the differences at `bits` and the values (bits=None; qcoll.auto)."""
+    if policy is not None:
+        return auto.delta_all_gather(delta_allgather, full, shard, group, policy, bits=bits,
+                                     group_size=group_size, async_op=async_op)
     size = _ranks_in(group)
     n = shard.numel() if isinstance(shard, torch.Tensor) else 0
     policy = AllGatherPolicy(bits=bits, group_size=group_size)

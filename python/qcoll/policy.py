@@ -163,12 +163,16 @@ class AllReducePolicy(_Policy):
 def take_policy(policy, loose: _Policy, defaults: _Policy, name: str = "policy",
                 prefix: str = "") -> _Policy:
     """A plug-in's policy: `policy` as given, else `loose` (built from its loose keywords,
-    spelled prefix + field). Both (a loose keyword off its default, `defaults`) is an error."""
+    spelled prefix + field). Both (a loose keyword off its default, `defaults`) is an error.
+    policy="auto": `loose` wrapped in qcoll.auto.Auto (the cost model chooses per call)."""
     if policy is None:
         return loose
+    if isinstance(policy, str) and policy == "auto":
+        from .auto import Auto
+        return Auto(loose)
     cls = type(defaults)
     if not isinstance(policy, cls):
-        raise TypeError(f"{name} must be a qcoll.{cls.__name__} or None, got {type(policy).__name__}")
+        raise TypeError(f"{name} must be a qcoll.{cls.__name__}, 'auto' or None, got {type(policy).__name__}")
     changed = [prefix + f.name for f in dataclasses.fields(cls) if getattr(loose, f.name) != getattr(defaults, f.name)]
     if changed:
         raise TypeError(f"pass either {name}= or {', '.join(changed)}, not both")

@@ -1,6 +1,6 @@
 """Bytes this rank handed to the transport, per collective, since the last reset."""
 
-from . import _C
+from . import _C, auto
 
 
 def stats() -> dict:
@@ -9,9 +9,11 @@ def stats() -> dict:
     One rule for every path, baseline included: the bytes this rank must deliver to each
     peer, as if exchanged directly (payload, scales and padding counted), split by whether
     the peer is on this rank's node (intra) or another node (inter).
+    "auto": {kind: {choice: calls}} of the calls made with policy="auto" (qcoll.auto).
     """
-    return _C.stats()
+    return dict(_C.stats(), auto=auto.counts())
 
 
 def reset_stats() -> None:
     _C.reset_stats()
+    auto.reset_counts()

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from .._formats import format_name
+from ..auto import Auto, check_policy
 from ..policy import ALL_GATHER, REDUCE_SCATTER, AllGatherPolicy, ReduceScatterPolicy, check_stages
 from ..quantization import check_group_size
 
@@ -59,8 +60,13 @@ class ZeroConfig:
         its module's forward and backward and freed after, so a unit module must be one
         whose parameters are read only inside its own forward (true of any block).
 
+    policy: None, or "auto": each weight all-gather and gradient reduce-scatter runs
+        uncompressed or as configured above (and on the path) that the group's cost model
+        predicts faster (qcoll.auto); never below the configured formats.
+
     ``weight_policy`` and ``grad_policy`` are the qcoll.AllGatherPolicy and
-    ReduceScatterPolicy these fields compose (what the engine's calls use).
+    ReduceScatterPolicy these fields compose (what the engine's calls use), wrapped in
+    qcoll.auto.Auto with policy="auto".
     """
 
     qwz: bool = True
@@ -83,6 +89,7 @@ class ZeroConfig:
     qwd: bool = False
     grad_hadamard: bool = False
     overlap_publish: bool = False
+    policy: Optional[str] = None
 
     def __post_init__(self):
         if isinstance(self.stage, bool) or self.stage not in (2, 3):
@@ -113,6 +120,7 @@ class ZeroConfig:
         if self.group_size is not None:
             check_group_size(self.group_size, "group_size")
         self._check_stage_switches()
+        check_policy(self.policy)
         rule = self.unit_modules
         if isinstance(rule, tuple):
             if not rule or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in rule):
@@ -125,15 +133,18 @@ class ZeroConfig:
     @functools.cached_property
     def weight_policy(self) -> AllGatherPolicy:
         """The weight all-gathers' policy (qwz=False: unquantized)."""
-        return AllGatherPolicy(bits=self.weight_bits if self.qwz else None, group_size=self.group_size)
+        return self._auto(AllGatherPolicy(bits=self.weight_bits if self.qwz else None, group_size=self.group_size))
 
     @functools.cached_property
     def grad_policy(self) -> ReduceScatterPolicy:
         """The gradient reduce-scatter's policy (qgz=False: the transport's own)."""
         if not self.qgz:
-            return ReduceScatterPolicy.transport()
-        return ReduceScatterPolicy(self.grad_intra_bits, self.grad_inter_bits, self.group_size,
-                                   self.grad_pipeline_stages, hadamard=self.grad_hadamard)
+            return self._auto(ReduceScatterPolicy.transport())
+        return self._auto(ReduceScatterPolicy(self.grad_intra_bits, self.grad_inter_bits, self.group_size,
+                                              self.grad_pipeline_stages, hadamard=self.grad_hadamard))
+
+    def _auto(self, policy):
+        return policy if self.policy is None else Auto(policy)
 
     def _check_stage_switches(self) -> None:
         if self.stage == 2:

@@ -1,0 +1,243 @@
+"""policy="auto": the group's cost model chooses each call's policy.
+
+A call made with policy="auto" (qcoll.quantized_allgather, quantized_reduce_scatter,
+quantized_all_reduce, delta_allgather; the FSDP2 comm objects, the DDP hook state and
+ZeroConfig through their policy=) is run with the candidate its qcoll.cost_model predicts
+fastest, from:
+- the uncompressed call (the input dtype on the wire; exact, or rounded once);
+- the quantized call the caller configured (its formats, group size, Hadamard), on each
+  path the configuration leaves open: flat or 2-hop (reduce-scatter with hierarchical=None,
+  all-reduce unless hierarchical=False) and 1 or the configured pipeline stages.
+Auto never quantizes below what the caller asked for: every candidate's hops use the
+caller's formats or none; the flat path encodes once at the cross-node format, which the
+2-hop path applies to every element as well (after an intra-node encode of its own).
+Equal predictions go to the uncompressed call.
+
+The choice depends only on the call's description (kind, sizes, dtype, the configured
+policy), the group's shape and its cost model, which every rank holds identically
+(cost_model agrees it across ranks), so every rank chooses the same. The first time a
+rank meets a description, the ranks compare it (before any other exchange) and raise
+ValueError on every rank when they differ. qcoll.stats()["auto"] counts calls per choice;
+QCOLL_LOG=policy prints each distinct decision once, with the predicted times.
+Error feedback residuals are kept pending while a call runs uncompressed (an exact call
+delivers none of them) and compensated at the next quantized call.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import os
+import sys
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .cost import cost_model
+from .group import resolve_group
+from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
+
+AUTO = "auto"
+UNCOMPRESSED = "uncompressed"
+_COUNTS: dict = collections.defaultdict(collections.Counter)  # kind -> Counter(choice label)
+_DECISIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {description: choice}
+_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class Auto:
+    """policy="auto" around the configured policy (`base`): the plug-ins hold one, the
+    functional API receives base's keywords plus policy="auto"; base's fields read through."""
+
+    base: object
+
+    def kwargs(self) -> dict:
+        return dict(self.base.kwargs(), policy=AUTO)
+
+    def __getattr__(self, name):
+        if name == "base":  # not yet set (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+
+def check_policy(policy, name: str = "policy") -> None:
+    """The functional API's policy= argument: None (the configured call) or "auto"."""
+    if policy is not None and policy != AUTO:
+        raise ValueError(f"{name} must be None or 'auto', got {policy!r}")
+
+
+def counts() -> dict:
+    """{kind: {choice: calls}} since the last reset (qcoll.stats()["auto"])."""
+    with _LOCK:
+        return {kind: dict(c) for kind, c in _COUNTS.items()}
+
+
+def reset_counts() -> None:
+    with _LOCK:
+        _COUNTS.clear()
+
+
+# ---- entry points: check, choose, call back with the chosen policy's keywords --------------
+def all_gather(call, output, input, group, policy, *, bits, group_size, async_op):
+    from .collectives import _check_pair, _ranks_in
+
+    check_policy(policy)
+    configured = AllGatherPolicy(bits=bits, group_size=group_size)
+    size = _ranks_in(group)
+    n = input.numel() if isinstance(input, torch.Tensor) else 0
+    _check_pair(output, input, size * n, n, "quantized_allgather", raw_bytes_ok=configured.bits is None)
+    g = resolve_group(group)
+    chosen = configured
+    if configured.bits is not None and g.size > 1:
+        candidates = [dataclasses.replace(configured, bits=None), configured]
+        chosen = _decide("allgather", g, input.device, n, input.dtype, configured, candidates)
+    return call(output, input, g, async_op=async_op, **chosen.kwargs())
+
+
+def delta_all_gather(call, full, shard, group, policy, *, bits, group_size, async_op):
+    from .collectives import _check_pair, _ranks_in
+
+    check_policy(policy)
+    configured = AllGatherPolicy(bits=bits, group_size=group_size)
+    size = _ranks_in(group)
+    n = shard.numel() if isinstance(shard, torch.Tensor) else 0
+    _check_pair(full, shard, size * n, n, "delta_allgather", names=("full", "shard"))
+    g = resolve_group(group)
+    chosen = configured
+    if configured.bits is not None and g.size > 1:  # the new values themselves, or their differences
+        candidates = [dataclasses.replace(configured, bits=None), configured]
+        chosen = _decide("delta_allgather", g, shard.device, n, shard.dtype, configured, candidates)
+    return call(full, shard, g, async_op=async_op, **chosen.kwargs())
+
+
+def reduce_scatter(call, output, input, group, policy, *, async_op, error_feedback, op, **fields):
+    from .collectives import _check_op, _check_pair, _ranks_in
+
+    check_policy(policy)
+    configured = ReduceScatterPolicy(**fields)
+    size = _ranks_in(group)
+    n = output.numel() if isinstance(output, torch.Tensor) else 0
+    _check_pair(output, input, n, size * n, "quantized_reduce_scatter")
+    _check_op(op)
+    g = resolve_group(group)
+    chosen = configured
+    if not configured.unquantized and g.size > 1:
+        raw = dataclasses.replace(configured, intra_bits=None, inter_bits=None, pipeline_stages=1,
+                                  hierarchical=False, hadamard=False, hadamard_size=None)
+        paths = [configured.hierarchical] if configured.hierarchical is not None else [None, False]
+        candidates = [raw] + [dataclasses.replace(configured, hierarchical=h, pipeline_stages=s)
+                              for h in paths for s in _stages(configured.pipeline_stages)]
+        chosen = _decide("reduce_scatter", g, input.device, n, input.dtype, configured, candidates)
+    return call(output, input, g, op=op, error_feedback=error_feedback, async_op=async_op, **chosen.kwargs())
+
+
+def all_reduce(call, tensor, group, policy, *, op, error_feedback, async_op, **fields):
+    from .all_reduce import _check_tensor
+    from .collectives import _check_op, _ranks_in
+
+    check_policy(policy)
+    configured = AllReducePolicy(**fields)
+    _ranks_in(group)
+    _check_tensor(tensor)
+    _check_op(op)
+    g = resolve_group(group)
+    chosen = configured
+    if not (configured.bits is None and configured.inter_bits is None) and g.size > 1:
+        raw = dataclasses.replace(configured, bits=None, inter_bits=None, pipeline_stages=1)
+        paths = [False] if configured.hierarchical is False else [True, False]
+        candidates = [raw] + [dataclasses.replace(configured, hierarchical=h, pipeline_stages=s)
+                              for h in paths for s in _stages(configured.pipeline_stages)]
+        chosen = _decide("all_reduce", g, tensor.device, tensor.numel(), tensor.dtype, configured, candidates)
+    return call(tensor, g, op=op, error_feedback=error_feedback, async_op=async_op, **chosen.kwargs())
+
+
+def _stages(configured: int) -> list:
+    return sorted({1, configured})
+
+
+# ---- the decision -----------------------------------------------------------------------
+_MODEL_KIND = {"allgather": "allgather", "delta_allgather": "allgather",
+               "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce"}
+
+
+def label(kind: str, policy, model) -> str:
+    """A choice's name in stats() and the log: "uncompressed", or "quantized" with the path
+    the core's plan takes (flat / 2-hop, stages) for a reduce-scatter or all-reduce."""
+    if isinstance(policy, AllGatherPolicy):
+        return UNCOMPRESSED if policy.bits is None else "quantized"
+    if isinstance(policy, AllReducePolicy):
+        if policy.bits is None and policy.inter_bits is None:
+            return UNCOMPRESSED
+        policy = policy.reduce_scatter()
+    if policy.unquantized:
+        return UNCOMPRESSED
+    return "quantized " + _path(policy, model)
+
+
+def _path(policy: ReduceScatterPolicy, model) -> str:
+    # The plan of a 64 MB fp32 call: the path and stages do not depend on the size in any
+    # other way than stages dropping below the plan's threshold (the log shows the choice).
+    plan = model._rs_plan(1 << 24, torch.float32, policy)
+    path = "2-hop" if plan.two_hop else "flat"
+    return path if policy.pipeline_stages == 1 else f"{path}, {policy.pipeline_stages} stages"
+
+
+def _decide(kind: str, g, device, numel: int, dtype, configured, candidates: list):
+    """The fastest candidate by the group's cost model (the first of equals: uncompressed).
+    The first time a description is met the ranks compare it, before any other exchange;
+    the choice is then a function of agreed inputs only. Counted per choice."""
+    description = (kind, numel, str(dtype), device.type, repr(configured))
+    decisions = _DECISIONS.setdefault(g, {})
+    if description not in decisions:
+        _agree(g, description, device)
+        model = cost_model(g, device=device)
+        times = [model.predict(_MODEL_KIND[kind], numel, dtype, c).seconds for c in candidates]
+        best = min(range(len(candidates)), key=lambda i: (times[i], i))
+        options = [(label(kind, c, model), t) for c, t in zip(candidates, times)]
+        decisions[description] = (candidates[best], options[best][0], options)
+        _log(kind, g, numel, dtype, configured, options, best)
+    chosen, name, _ = decisions[description]
+    with _LOCK:
+        _COUNTS[kind][name] += 1
+    return chosen
+
+
+def _agree(g, description: tuple, device) -> None:
+    """ValueError on every rank unless every rank describes the call the same way. The
+    digests travel in a qcoll all-gather of 32 bytes, whose call check also meets a rank
+    that made another call instead (one without policy="auto": every rank raises there)."""
+    if g.size == 1:
+        return
+    from .collectives import quantized_allgather
+
+    digest = hashlib.sha256(repr(description).encode()).digest()
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+    every = torch.empty(g.size * len(digest), dtype=torch.uint8, device=device)
+    quantized_allgather(every, mine, g, bits=None)
+    if all(bytes(every[r * len(digest):(r + 1) * len(digest)].cpu().tolist()) == digest for r in range(g.size)):
+        return
+    views = [None] * g.size  # every rank is here: name what each one described
+    g._calls.drain()  # as _debug_check: g.pg is never used by two threads at once
+    dist.all_gather_object(views, description, group=g.pg)
+    lines = "\n".join(f"  rank {r}: {v}" for r, v in enumerate(views))
+    raise ValueError(f"qcoll policy='auto': ranks disagree on the call:\n{lines}")
+
+
+def _log(kind, g, numel, dtype, configured, options, best) -> None:
+    if "policy" not in os.environ.get("QCOLL_LOG", "").split(",") or g.rank != 0:
+        return
+    predicted = "; ".join(f"{name} {t * 1e3:.2f} ms" for name, t in options)
+    print(f"qcoll policy auto: {kind} of {numel} {dtype} elements on {g.size} ranks "
+          f"({g.node_size} per node), configured {configured}: chose {options[best][0]} "
+          f"(predicted {predicted})", file=sys.stderr, flush=True)
+
+
+def decisions(group=None) -> dict:
+    """The group's decisions so far: {(kind, numel, dtype, device, configured policy):
+    {"choice": name, "predicted_s": {candidate name: seconds}}}."""
+    g = resolve_group(group)
+    return {d: {"choice": name, "predicted_s": dict(options)}
+            for d, (_, name, options) in _DECISIONS.get(g, {}).items()}

@@ -1,0 +1,363 @@
+"""The cost model of a group: what a collective costs on it, from measured rates.
+
+    model = qcoll.cost_model(group)          # probed at first use, cached per group
+    model.predict("reduce_scatter", numel=1 << 22, dtype=torch.float32,
+                  policy=qcoll.ReduceScatterPolicy())
+    model.save("cluster.json")               # later: qcoll.cost_model(group, path="cluster.json")
+
+Per tier (intra-node, inter-node) a Link: the bytes per second one rank sends to peers of
+that tier while every rank of the group sends at once (so a node's shared uplink is
+divided among its ranks, as in a real call), and the latency of one exchange (qcoll's own
+per-call cost included). Per code format a KernelRate: elements per second encoded and
+decoded by one rank while every rank runs the kernel ("raw": copy and fp32 add, what an
+unquantized hop costs). Bytes per hop come from the core's plans (one algorithm, one place);
+a prediction is of a repeated call (the first call of a signature on CPU also exchanges a
+32-byte call check with every peer).
+
+The probe is bounded: each measure grows its size by 4x from a small start and stops once a
+call takes `target_s` or the size cap is reached, and the whole probe stops growing sizes
+once `budget_s` is spent. Every time measured is reduced to the slowest rank's (all-reduce
+MAX) before it becomes a rate, so every rank holds the identical model; a model given by the
+user or loaded from a file is compared across ranks when it is installed, and a rank that
+holds another raises on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+import weakref
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from ._formats import FORMATS, RAW_CODE, format_code, format_of
+from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
+
+RAW = "raw"  # the kernel-rate key of unquantized hops (copy to send, fp32 add to reduce)
+COLLECTIVES = ("allgather", "reduce_scatter", "all_reduce")
+_PROBE_FORMATS = tuple(FORMATS) + (RAW,)
+_MIN_STAGE_BYTES = _C.MIN_PIPELINE_STAGE_BYTES
+# Probe bounds: sizes (bytes per rank's chunk; elements for kernels) start small and grow 4x
+# until one call takes TARGET_S, capped; the whole probe stops growing past BUDGET_S.
+_LATENCY_BYTES = 256
+_START_BYTES, _MAX_BYTES = 64 << 10, 16 << 20
+_KERNEL_START, _KERNEL_MAX = 1 << 16, 1 << 22
+_TARGET_S = 0.05
+BUDGET_S = 3.0
+_REPEATS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """bandwidth: bytes per second one rank sends to that tier's peers (all ranks sending);
+    latency: seconds of one exchange that moves no data."""
+
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self):
+        for name in ("bandwidth", "latency"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+                raise ValueError(f"Link.{name} must be a finite number >= 0, got {v!r}")
+        if self.bandwidth == 0:
+            raise ValueError("Link.bandwidth must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRate:
+    """Elements per second one rank encodes (quantize; raw: copy) and decodes (dequantize
+    and add into fp32; raw: the add)."""
+
+    encode: float
+    decode: float
+
+    def __post_init__(self):
+        for name in ("encode", "decode"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ValueError(f"KernelRate.{name} must be a finite number > 0, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """Predicted seconds of one call, split into what the links and the kernels take, and
+    the bytes one rank's share of each tier's links carries (all-to-all hops: what
+    qcoll.stats() counts; ring hops, the transport's all-gather and reduce-scatter: less
+    across nodes, the chunks cross once per node)."""
+
+    seconds: float
+    intra_s: float
+    inter_s: float
+    kernel_s: float
+    intra_bytes: int
+    inter_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Rates of one group (world ranks, node_size per node) on one device type.
+
+    intra / inter: the tiers' Links (None where the group has no such peers);
+    kernels: format name (qcoll's, or "raw") -> KernelRate; source: "probe", "user" or the
+    file it was loaded from."""
+
+    world: int
+    node_size: int
+    device: str
+    intra: Optional[Link]
+    inter: Optional[Link]
+    kernels: Mapping[str, KernelRate]
+    source: str = "user"
+
+    def __post_init__(self):
+        for name in ("world", "node_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"CostModel.{name} must be a positive int, got {v!r}")
+        if self.world % self.node_size:
+            raise ValueError(f"CostModel.world ({self.world}) must be a multiple of node_size ({self.node_size})")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"CostModel.device must be 'cpu' or 'cuda', got {self.device!r}")
+        for tier, needed in (("intra", self.node_size > 1), ("inter", self.world > self.node_size)):
+            link = getattr(self, tier)
+            if needed and not isinstance(link, Link):
+                raise ValueError(f"CostModel.{tier} must be a qcoll.cost_model.Link for a group of "
+                                 f"{self.world} ranks, {self.node_size} per node, got {link!r}")
+        missing = [f for f in _PROBE_FORMATS if not isinstance(self.kernels.get(f), KernelRate)]
+        if missing:
+            raise ValueError(f"CostModel.kernels needs a KernelRate for every format {list(_PROBE_FORMATS)}; "
+                             f"missing or not a KernelRate: {missing}")
+
+    # ---- inspection and files ----------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["kernels"] = {k: dataclasses.asdict(v) for k, v in sorted(self.kernels.items())}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, source: Optional[str] = None) -> "CostModel":
+        try:
+            return cls(world=d["world"], node_size=d["node_size"], device=d["device"],
+                       intra=None if d["intra"] is None else Link(**d["intra"]),
+                       inter=None if d["inter"] is None else Link(**d["inter"]),
+                       kernels={k: KernelRate(**v) for k, v in d["kernels"].items()},
+                       source=source or d.get("source", "user"))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a qcoll cost model ({e}); expected the keys of CostModel.to_dict()") from e
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "CostModel":
+        with open(path) as f:
+            return cls.from_dict(json.load(f), source=f"file {path}")
+
+    def fingerprint(self) -> str:
+        """A digest of the rates and topology (not the source): equal on ranks that agree."""
+        d = self.to_dict()
+        d.pop("source")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+    # ---- prediction --------------------------------------------------------------------
+    def predict(self, collective: str, numel: int, dtype: torch.dtype, policy) -> Prediction:
+        """Seconds of one call of `collective` ("allgather": numel elements per rank;
+        "reduce_scatter": numel output elements per rank; "all_reduce": a tensor of numel)
+        in `dtype` with `policy` (the collective's qcoll policy object) on this group."""
+        if collective not in COLLECTIVES:
+            raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"numel must be an int >= 0, got {numel!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        want = {"allgather": AllGatherPolicy, "reduce_scatter": ReduceScatterPolicy,
+                "all_reduce": AllReducePolicy}[collective]
+        if not isinstance(policy, want):
+            raise TypeError(f"policy must be a qcoll.{want.__name__} for {collective!r}, got {type(policy).__name__}")
+        if collective == "allgather":
+            parts = self._all_gather(numel, dtype, policy.bits, policy.group_size)
+        elif collective == "reduce_scatter":
+            parts = self._reduce_scatter(numel, dtype, policy)
+        else:
+            parts = self._all_reduce(numel, dtype, policy)
+        return _sum(parts)
+
+    def _exchange(self, intra_bytes: float, inter_bytes: float) -> tuple:
+        """(intra_s, inter_s) of one exchange; one latency: the slower tier's it touches."""
+        intra_s = intra_bytes / self.intra.bandwidth if intra_bytes else 0.0
+        inter_s = inter_bytes / self.inter.bandwidth if inter_bytes else 0.0
+        lat = max([t.latency for t, b in ((self.intra, intra_bytes), (self.inter, inter_bytes)) if b] or [0.0])
+        return (intra_s + lat, inter_s) if intra_s >= inter_s else (intra_s, inter_s + lat)
+
+    def _peers(self) -> tuple:
+        """(intra, inter) peers of one rank in an exchange over the whole group."""
+        return self.node_size - 1, self.world - self.node_size
+
+    def _ring(self, chunk: int) -> tuple:
+        """(intra, inter) bytes one rank's link carries in the transport's ring all-gather or
+        reduce-scatter of one `chunk` per rank: every chunk passes every ring edge but one,
+        and a node-contiguous ring has one cross-node edge per node, shared by its ranks."""
+        hops = (self.world - 1) * chunk
+        if self.world == self.node_size:
+            return hops, 0
+        if self.node_size == 1:
+            return 0, hops
+        return hops * (self.node_size - 1) / self.node_size, hops / self.node_size
+
+    def _kernel(self, fmt: Optional[str], encode: float, decode: float) -> float:
+        rate = self.kernels[fmt or RAW]
+        return encode / rate.encode + decode / rate.decode
+
+    def _all_gather(self, n: int, dtype, bits, group_size) -> list:
+        headers = self.device == "cpu"
+        wire = format_code(bits, "bits")
+        plan = _C.plan_all_gather(self.world, n, _dtype_code(dtype), wire, group_size, headers)
+        fmt = format_of(wire)
+        # Both go through the transport's (ring) all-gather: raw values, or the encoded slots.
+        # Quantized: encode mine, decode all.
+        kernel = 0.0 if fmt is None else self._kernel(fmt, n, self.world * n)
+        intra, inter = self._ring(plan.chunk)
+        return [(*self._exchange(intra, inter), kernel, intra, inter)]
+
+    def _rs_plan(self, n: int, dtype, p: ReduceScatterPolicy):
+        hier = -1 if p.hierarchical is None else int(p.hierarchical)
+        return _C.plan_reduce_scatter(self.world, self.node_size, n, _dtype_code(dtype), p.intra_code,
+                                      p.inter_code, p.group_size, p.pipeline_stages, hier,
+                                      self.device == "cpu", _MIN_STAGE_BYTES, p.hadamard_block)
+
+    def _reduce_scatter(self, n: int, dtype, p: ReduceScatterPolicy) -> list:
+        """One entry per stage, each (hop1 parts, hop2 parts) folded by _pipeline."""
+        plan = self._rs_plan(n, dtype, p)
+        first, second = format_of(plan.first_format), format_of(plan.second_format)
+        nodes = self.world // self.node_size
+        hops = []
+        for s in range(plan.stages):
+            length = plan.slice_len(s)
+            if plan.two_hop:  # intra all-to-all of world slots, then inter of `nodes` slots
+                b1 = (self.node_size - 1) * nodes * plan.first_chunk(s)
+                b2 = (nodes - 1) * plan.second_chunk(s)
+                hop1 = (*self._exchange(b1, 0), self._kernel(first, self.world * length, self.world * length), b1, 0)
+                hop2 = (*self._exchange(0, b2), self._kernel(second, nodes * length, nodes * length), 0, b2)
+            elif first is None:  # raw: the transport's own (ring) reduce-scatter, which adds
+                bi, be = self._ring(plan.first_chunk(s))
+                if self.device == "cpu":  # gloo's takes about an all-reduce's time (auto suite, measured)
+                    bi, be = 2 * bi, 2 * be
+                hop1 = (*self._exchange(bi, be), self._kernel(first, 0, self.world * length), bi, be)
+            else:  # one quantized all-to-all over the group
+                intra_peers, inter_peers = self._peers()
+                bi, be = intra_peers * plan.first_chunk(s), inter_peers * plan.first_chunk(s)
+                hop1 = (*self._exchange(bi, be), self._kernel(first, self.world * length, self.world * length), bi, be)
+            hops.append((hop1, hop2 if plan.two_hop else (0.0, 0.0, 0.0, 0, 0)))
+        return _pipeline(hops)
+
+    def _all_reduce(self, numel: int, dtype, p: AllReducePolicy) -> list:
+        n = -(-numel // self.world)
+        rs = p.reduce_scatter()
+        if p.bits is None and p.inter_bits is None and self.device == "cpu":
+            dtype = torch.float32  # the transport's all-reduce of fp32 values (all_reduce.py)
+        parts = self._reduce_scatter(n, dtype, rs)
+        gather = format_of(self._rs_plan(n, dtype, rs).second_format)
+        return parts + self._all_gather(n, dtype, gather, p.group_size)
+
+
+def _pipeline(hops: list) -> list:
+    """Stage s's first hop overlaps stage s-1's second: per step the slower of the two."""
+    out = [hops[0][0]]
+    for s in range(1, len(hops)):
+        out.append(max(hops[s][0], hops[s - 1][1], key=lambda h: h[0] + h[1] + h[2]))
+        other = min(hops[s][0], hops[s - 1][1], key=lambda h: h[0] + h[1] + h[2])
+        out.append((0.0, 0.0, 0.0, other[3], other[4]))  # its bytes still travel
+    out.append(hops[-1][1])
+    return out
+
+
+def _sum(parts: list) -> Prediction:
+    intra_s, inter_s, kernel_s = (sum(p[i] for p in parts) for i in range(3))
+    return Prediction(seconds=intra_s + inter_s + kernel_s, intra_s=intra_s, inter_s=inter_s,
+                      kernel_s=kernel_s, intra_bytes=int(sum(p[3] for p in parts)),
+                      inter_bytes=int(sum(p[4] for p in parts)))
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    from ._dtypes import dtype_code
+    return dtype_code(dtype, "dtype")
+
+
+# ---- the model of a group: given, loaded, or probed once; agreed by every rank ----------
+_MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {device type: CostModel}
+ENV_FILE = "QCOLL_COST_MODEL"  # a file an earlier probe wrote (CostModel.save), used at first use
+
+
+def cost_model(group=None, *, device="cpu", model=None, path: Optional[str] = None,
+               budget_s: Optional[float] = None) -> CostModel:
+    """The CostModel of `group` (a qcoll.Group, a ProcessGroup or None: the world) for calls
+    on `device` ("cpu", "cuda" or a torch.device). Collective the first time (and whenever
+    `model` or `path` is given): every rank of the group must call it.
+
+    model: a CostModel (or its to_dict()) to use instead of measuring; path: a file written
+    by CostModel.save to load instead; neither: the cached model, else the file named by
+    $QCOLL_COST_MODEL, else a probe bounded by budget_s seconds (default BUDGET_S).
+    A model given or loaded must match the group (world, node_size, device) and be the
+    same on every rank: otherwise every rank raises ValueError."""
+    from .group import resolve_group
+
+    dev = _check_device(device)
+    if model is not None and path is not None:
+        raise ValueError("pass model= or path=, not both")
+    if model is not None and not isinstance(model, (CostModel, dict)):
+        raise TypeError(f"model must be a qcoll.CostModel, its to_dict() or None, got {type(model).__name__}")
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a file path or None, got {type(path).__name__}")
+    if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, (int, float))
+                                 or not 0 < budget_s <= 600):
+        raise ValueError(f"budget_s must be a number of seconds in (0, 600] or None, got {budget_s!r}")
+    given = model if isinstance(model, CostModel) else (CostModel.from_dict(model) if model is not None else None)
+    if given is None and path is not None:
+        given = CostModel.load(os.fspath(path))
+    g = resolve_group(group)
+    cache = _MODELS.setdefault(g, {})
+    if given is None and dev.type in cache:
+        return cache[dev.type]
+    if given is None and os.environ.get(ENV_FILE):
+        given = CostModel.load(os.environ[ENV_FILE])
+    if given is None:
+        from ._cost_probe import probe
+        given = probe(g, dev, BUDGET_S if budget_s is None else float(budget_s))
+    cache[dev.type] = _agree(g, given, dev)
+    return cache[dev.type]
+
+
+def _check_device(device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or a torch.device of those, got {device!r}")
+    return dev
+
+
+def _agree(g, model: CostModel, dev: torch.device) -> CostModel:
+    """`model` if it fits the group and every rank holds the same; ValueError on every rank
+    otherwise (each rank's source and digest named)."""
+    fits = (model.world, model.node_size, model.device) == (g.size, g.node_size, dev.type)
+    mine = (model.fingerprint() if fits else "does not fit", model.source,
+            f"world {model.world}, node_size {model.node_size}, {model.device}")
+    views = [mine]
+    if g.size > 1:
+        g._calls.drain()  # as _debug_check: g.pg is never used by two threads at once
+        views = [None] * g.size
+        dist.all_gather_object(views, mine, group=g.pg)
+    if not fits or any(v[0] != views[0][0] for v in views):
+        lines = "\n".join(f"  rank {r}: {v[1]}: {v[2]}, digest {v[0]}" for r, v in enumerate(views))
+        raise ValueError(f"qcoll.cost_model: the ranks' cost models disagree or do not fit the group of "
+                         f"{g.size} ranks, {g.node_size} per node, on {dev.type}:\n{lines}")
+    return model

@@ -1,0 +1,188 @@
+"""qcoll.cost_model: predictions (positive, monotone in size, the bytes qcoll.stats()
+counts), argument checks, files, and the probe on 4 gloo ranks as 2 nodes x 2: bounded in
+time, identical on every rank, cached; a rank holding another model raises on every rank."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import qcoll
+from distributed import run_ranks
+from qcoll import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
+from qcoll.cost import _PROBE_FORMATS, CostModel, KernelRate, Link
+
+NODE_SIZE = 2
+GBIT = 1e9 / 8  # bytes per second
+
+
+def synthetic(world=4, node_size=NODE_SIZE, inter_gbit=1.0, intra_gbit=50.0, kernel=1e9, latency=1e-4,
+              raw_kernel=4e9):
+    """A model with the given rates (kernel: elements/s of the quantizing kernels; raw_kernel:
+    of copy and add)."""
+    inter = Link(inter_gbit * GBIT, latency) if world > node_size else None
+    rates = {f: KernelRate(raw_kernel if f == "raw" else kernel, raw_kernel if f == "raw" else kernel)
+             for f in _PROBE_FORMATS}
+    return CostModel(world, node_size, "cpu", Link(intra_gbit * GBIT, latency), inter, rates)
+
+
+POLICIES = [("allgather", AllGatherPolicy(bits=None)), ("allgather", AllGatherPolicy(bits=4)),
+            ("reduce_scatter", ReduceScatterPolicy.transport()), ("reduce_scatter", ReduceScatterPolicy()),
+            ("reduce_scatter", ReduceScatterPolicy(hierarchical=False)),
+            ("all_reduce", AllReducePolicy(bits=None)), ("all_reduce", AllReducePolicy(inter_bits=4))]
+
+
+@pytest.mark.parametrize("world", [4, 6])
+def test_predictions_positive_and_monotone(world):
+    m = synthetic(world)
+    for collective, policy in POLICIES:
+        times = [m.predict(collective, n, torch.bfloat16, policy).seconds for n in (1, 1 << 10, 1 << 16, 1 << 22)]
+        assert all(t > 0 for t in times), (collective, policy)
+        assert times == sorted(times), (collective, policy, times)
+
+
+def test_quantizing_pays_only_on_a_slow_link():
+    n = 16 << 20  # 64 MB of fp32 per all-gather input... per rank
+    slow, fast = synthetic(inter_gbit=1.0), synthetic(inter_gbit=5000.0, intra_gbit=5000.0, kernel=2e8)
+    for collective, raw, quantized in (("allgather", AllGatherPolicy(bits=None), AllGatherPolicy()),
+                                       ("reduce_scatter", ReduceScatterPolicy.transport(), ReduceScatterPolicy()),
+                                       ("all_reduce", AllReducePolicy(bits=None), AllReducePolicy())):
+        assert slow.predict(collective, n, torch.float32, quantized).seconds < \
+            slow.predict(collective, n, torch.float32, raw).seconds / 2
+        assert fast.predict(collective, n, torch.float32, raw).seconds < \
+            fast.predict(collective, n, torch.float32, quantized).seconds
+
+
+def test_predicted_raw_all_gather_by_hand():
+    m = synthetic(inter_gbit=1.0, intra_gbit=8.0, latency=1e-3)
+    p = m.predict("allgather", 1000, torch.float32, AllGatherPolicy(bits=None))
+    # The transport's ring over 2 nodes x 2: each rank's 4000-byte chunk (raw: no slot
+    # headers) passes 3 edges; per node one edge of its two crosses nodes.
+    assert (p.intra_bytes, p.inter_bytes) == (6000, 6000)
+    assert p.kernel_s == 0
+    assert p.seconds == pytest.approx(6000 / (8 * GBIT) + 6000 / GBIT + 1e-3)
+
+
+def test_checks():
+    m = synthetic()
+    with pytest.raises(ValueError, match="Link.bandwidth"):
+        Link(-1.0, 0.0)
+    with pytest.raises(ValueError, match="KernelRate.encode"):
+        KernelRate(0, 1)
+    with pytest.raises(ValueError, match="missing"):
+        CostModel(4, 2, "cpu", Link(1, 0), Link(1, 0), {"int8": KernelRate(1, 1)})
+    with pytest.raises(ValueError, match="CostModel.inter"):
+        CostModel(4, 2, "cpu", Link(1, 0), None, m.kernels)
+    with pytest.raises(ValueError, match="multiple of node_size"):
+        CostModel(5, 2, "cpu", Link(1, 0), Link(1, 0), m.kernels)
+    with pytest.raises(ValueError, match="collective must be"):
+        m.predict("broadcast", 10, torch.float32, AllGatherPolicy())
+    with pytest.raises(TypeError, match="ReduceScatterPolicy"):
+        m.predict("reduce_scatter", 10, torch.float32, AllGatherPolicy())
+    with pytest.raises(ValueError, match="numel"):
+        m.predict("allgather", -1, torch.float32, AllGatherPolicy())
+    with pytest.raises(ValueError, match="dtype"):
+        m.predict("allgather", 1, torch.int32, AllGatherPolicy())
+    # cost_model's own arguments are checked before any group is resolved (no process group here)
+    with pytest.raises(ValueError, match="device"):
+        qcoll.cost_model(device="tpu")
+    with pytest.raises(ValueError, match="not both"):
+        qcoll.cost_model(model=m, path="x.json")
+    with pytest.raises(TypeError, match="model must be"):
+        qcoll.cost_model(model=3)
+    with pytest.raises(ValueError, match="budget_s"):
+        qcoll.cost_model(budget_s=0)
+    with pytest.raises(ValueError, match="not a qcoll cost model"):
+        CostModel.from_dict({"world": 4})
+
+
+def test_file_round_trip(tmp_path):
+    m = synthetic()
+    path = tmp_path / "model.json"
+    m.save(str(path))
+    back = CostModel.load(str(path))
+    assert back.fingerprint() == m.fingerprint() and back.source == f"file {path}"
+    assert back.to_dict() == dict(m.to_dict(), source=back.source)
+
+
+# ---- on ranks ----------------------------------------------------------------------------
+def _probe(rank, world, budget):
+    g = qcoll.new_group(node_size=NODE_SIZE)
+    t0 = time.perf_counter()
+    m = qcoll.cost_model(g, budget_s=budget)
+    elapsed = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    again = qcoll.cost_model(g)  # cached: no probe, no communication
+    cached_s = time.perf_counter() - t1
+    # The all-to-all hops' predicted bytes are the bytes qcoll.stats() counts for a repeated
+    # call (the first of a signature also exchanges the call check).
+    counted = {}
+    x = torch.randn(world * 3000)
+    for hierarchical in (None, False):
+        policy = ReduceScatterPolicy(pipeline_stages=1, hierarchical=hierarchical)
+        qcoll.quantized_reduce_scatter(torch.empty(3000), x, g, **policy.kwargs())
+        qcoll.reset_stats()
+        qcoll.quantized_reduce_scatter(torch.empty(3000), x, g, **policy.kwargs())
+        s = qcoll.stats()["reduce_scatter"]
+        p = m.predict("reduce_scatter", 3000, torch.float32, policy)
+        counted[hierarchical] = ((s["intra_bytes"], s["inter_bytes"]), (p.intra_bytes, p.inter_bytes))
+    out = (m.to_dict(), elapsed, again is m, cached_s, counted)
+    g.close()
+    return out
+
+
+def test_probe_bounded_agreed_cached():
+    budget = 1.0
+    results = run_ranks(4, _probe, budget, timeout=180)
+    first = results[0][0]
+    assert first["source"] == "probe" and first["world"] == 4 and first["node_size"] == NODE_SIZE
+    for model, elapsed, same, cached_s, counted in results:
+        assert model == first  # every rank holds identical numbers
+        # Bounded: sizes stop growing once the budget is spent; the last measures may overrun
+        # it by a few calls of at most the probe's target time (slack for a loaded machine).
+        assert elapsed < budget + 6.0, elapsed
+        assert same and cached_s < 0.05
+        for bits, (stats_bytes, predicted) in counted.items():
+            assert stats_bytes == predicted, (bits, stats_bytes, predicted)
+    assert first["inter"]["bandwidth"] > 0 and first["intra"]["latency"] > 0
+
+
+def _disagree(rank, world, models, path):
+    import os
+
+    g = qcoll.new_group(node_size=NODE_SIZE)
+    os.environ["QCOLL_COST_MODEL"] = path  # the file an earlier probe wrote, at first use
+    from_env = qcoll.cost_model(g).source
+    del os.environ["QCOLL_COST_MODEL"]
+    out = [from_env]
+    for case in ("model", "file", "world"):
+        try:
+            if case == "model":
+                qcoll.cost_model(g, model=models[rank])
+            elif case == "file":
+                qcoll.cost_model(g, path=path if rank != 2 else path + ".other")
+            else:
+                qcoll.cost_model(g, model=synthetic(world=2 * world))
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+    g.close()
+    return out
+
+
+def test_a_rank_that_disagrees_raises_on_every_rank(tmp_path):
+    base = synthetic()
+    other = synthetic(inter_gbit=2.0)
+    path = str(tmp_path / "m.json")
+    base.save(path)
+    other.save(path + ".other")
+    results = run_ranks(4, _disagree, [base, other, base, base], path, timeout=120)
+    for rank, (from_env, *messages) in enumerate(results):
+        assert from_env == f"file {path}"
+        for message in messages:
+            assert "cost models disagree or do not fit" in message, (rank, message)
+        assert "rank 1: user" in messages[0]
+        assert f"rank 2: file {path}.other" in messages[1]
+        assert "world 8" in messages[2]
