@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from test_bench import ROOT, _run
+from tests.bench.test_bench import ROOT, _run
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from suites import gate  # noqa: E402

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 import qcoll
-import reference as ref
-from distributed import run_ranks
-from test_collectives_quantized import (
+from tests.support import reference as ref
+from tests.support.distributed import run_ranks
+from tests.collectives.test_collectives_quantized import (
     DEFAULT_GROUP_SIZE,
     F32,
     _INT_VIEW,

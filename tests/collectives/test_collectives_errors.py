@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import qcoll
-from distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 F32 = torch.float32
 

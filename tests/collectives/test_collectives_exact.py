@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import qcoll
-from distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import qcoll
-from distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 # ---- the symbolic model -------------------------------------------------------------------
 

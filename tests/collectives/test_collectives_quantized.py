@@ -1,4 +1,4 @@
-"""Quantized collectives against an independent simulation built on tests/reference.py.
+"""Quantized collectives against an independent simulation built on tests/support/reference.py.
 
 The simulation follows the contract, not the C++: what travels is block-quantized per
 wire chunk (symmetric, nearest rounding, groups counted from the start of each pipeline
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import qcoll
-import reference as ref
-from distributed import run_ranks
+from tests.support import reference as ref
+from tests.support.distributed import run_ranks
 
 F32 = torch.float32
 DEFAULT_GROUP_SIZE = qcoll.DEFAULT_GROUP_SIZE  # what group_size=None means

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import qcoll
-from distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 BF16, F32, F16 = torch.bfloat16, torch.float32, torch.float16
 

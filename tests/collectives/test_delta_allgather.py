@@ -1,5 +1,5 @@
 """qcoll.delta_allgather (SDP4Bit's qWD) against an independent simulation on
-tests/reference.py: for every partition p, the difference d_p = shard_p - old_p in fp32 is
+tests/support/reference.py: for every partition p, the difference d_p = shard_p - old_p in fp32 is
 block-quantized (groups counted from the partition's start), and
 
     new_p = cast(old_p + dq(q(d_p)))    (one fp32 add, rounded once to the dtype)
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import qcoll
-import reference as ref
-from distributed import run_ranks
+from tests.support import reference as ref
+from tests.support.distributed import run_ranks
 
 F32 = torch.float32
 GS = qcoll.DEFAULT_GROUP_SIZE

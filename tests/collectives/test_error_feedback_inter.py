@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import qcoll
-import reference as ref
-from distributed import run_ranks
+from tests.support import reference as ref
+from tests.support.distributed import run_ranks
 
 F32 = torch.float32
 

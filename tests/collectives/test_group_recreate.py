@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 import qcoll
-from distributed import run_ranks
-from test_collectives_quantized import assert_bits, gradient_like, simulate_reduce_scatter
-import reference as ref
+from tests.support.distributed import run_ranks
+from tests.collectives.test_collectives_quantized import assert_bits, gradient_like, simulate_reduce_scatter
+from tests.support import reference as ref
 
 ROUNDS = 3
 N = 40  # elements per rank: several groups of 8, a short tail

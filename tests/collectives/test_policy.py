@@ -16,7 +16,7 @@ import torch
 import qcoll
 import qcoll.ddp
 import qcoll.fsdp
-from distributed import run_ranks
+from tests.support.distributed import run_ranks
 from qcoll import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
 from qcoll.zero import ZeroConfig
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import qcoll
-from distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 MANTISSA = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}  # bits, smallest normal exponent
 

@@ -4,9 +4,9 @@
 # is live (a kernel storing one element past its buffer must be reported), then runs every
 # cuda_emu test against it. Buffers are host allocations of exactly the bytes a kernel may
 # touch, so any out-of-bounds global access lands in ASan's redzone.
-#   usage: tests/emu_asan.sh [pytest args...]     (PYTHON=... to pick the interpreter)
+#   usage: tests/cuda/emu_asan.sh [pytest args...]     (PYTHON=... to pick the interpreter)
 set -euo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 python=${PYTHON:-python}
 build=$(mktemp -d /tmp/qcoll-emu-asan.XXXXXX)
 trap 'rm -rf "$build"' EXIT
@@ -24,10 +24,10 @@ preload="$(${CXX:-c++} -print-file-name=libasan.so) $(${CXX:-c++} -print-file-na
 
 export LD_PRELOAD=$preload QCOLL_EMU_MODULE=$module
 export ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:detect_stack_use_after_return=0
-cd "$root/tests"
+cd "$root"
 
 echo "== ASan is live: a store one element past the buffer must be reported"
-if out=$("$python" -c "from cuda_emu import EMU; EMU.selftest('out_of_bounds')" 2>&1); then
+if out=$("$python" -c "from tests.support.cuda_emu import EMU; EMU.selftest('out_of_bounds')" 2>&1); then
   echo "FAIL: the out-of-bounds store was not reported"; exit 1
 fi
 grep -q "ERROR: AddressSanitizer: heap-buffer-overflow" <<< "$out" || { echo "$out"; exit 1; }

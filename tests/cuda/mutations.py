@@ -3,7 +3,7 @@ one at a time, to a copy of the sources, rebuilds only the emulator module (qcol
 from that copy, runs `pytest -m cuda_emu` against it and prints a table of which test
 caught each mutation and how. Every mutation must be caught (exit status 1 otherwise).
 
-    python tests/mutations.py [--keep DIR] [--only NAME ...]
+    python tests/cuda/mutations.py [--keep DIR] [--only NAME ...]
 
 Takes a few minutes: one full build of the module, then one kernel file per mutation.
 """
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # (name, file, original text, mutated text, what the mutation models)
 MUTATIONS = [

@@ -5,9 +5,9 @@ bounds. Each case runs under the ordered schedule and under a seeded random one.
 
 import pytest
 
-import cuda_cases as cases
-from conftest import make_values
-from cuda_emu import EMU, EmuBackend
+from tests.support import cuda_cases as cases
+from tests.support.values import make_values
+from tests.support.cuda_emu import EMU, EmuBackend
 
 pytestmark = pytest.mark.cuda_emu
 

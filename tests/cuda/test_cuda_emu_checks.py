@@ -5,7 +5,7 @@ fires on a kernel that breaks its rule, naming the kernel, block and thread
 import pytest
 import torch
 
-from cuda_emu import EMU, EmuBackend
+from tests.support.cuda_emu import EMU, EmuBackend
 
 pytestmark = pytest.mark.cuda_emu
 
@@ -62,7 +62,7 @@ ACCESS_CHECKS = {"shared_race", "shared_uninitialized", "misaligned_vector", "gl
 ])
 def test_each_check_fires(schedule, name, message):
     if name in ACCESS_CHECKS and not EMU.ACCESS_CHECKS:
-        pytest.skip("the AddressSanitizer build checks accesses with ASan (tests/emu_asan.sh)")
+        pytest.skip("the AddressSanitizer build checks accesses with ASan (tests/cuda/emu_asan.sh)")
     with pytest.raises(EMU.EmuError, match=message):
         EMU.selftest(name)
     EMU.selftest("block_sum")  # the emulator is usable after an error

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from xml.etree import ElementTree
 
-TESTS = pathlib.Path(__file__).parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]  # tests/, whose conftest.py is copied
 
 SAMPLE = '''
 import pytest
@@ -47,7 +47,7 @@ def _outcomes(tmp_path, expect):
     shutil.copy(TESTS / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     (tmp_path / "test_plain.py").write_text(PLAIN)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
     env.pop("QCOLL_EXPECT_GPU", None)
     if expect is not None:
         env["QCOLL_EXPECT_GPU"] = expect

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "bench" / "gpu" / "run.sh"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "gpu" / "run.sh"
 
 HANGING_TEST = '''
 import time
@@ -72,11 +72,11 @@ def test_gpu_step_selects_every_gpu_test(tmp_path):
     collected = [line for line in done.stdout.splitlines() if line.startswith("tests/")]
     selected = {line.split("::")[0].rsplit("/", 1)[-1] for line in collected}
     marking = re.compile(r"^(pytestmark = .*pytest\.mark\.gpu|@pytest\.mark\.gpu)", re.M)
-    marked = {p.name for p in SCRIPT.parents[2].joinpath("tests").glob("test_*.py")
+    marked = {p.name for p in SCRIPT.parents[2].joinpath("tests").rglob("test_*.py")
               if marking.search(p.read_text()) and p.name != "test_expect_gpu.py"}  # its sample
     assert {"test_nccl.py", "test_gpu_streams.py", "test_quantize_cuda.py"} <= marked
     assert marked <= selected, f"GPU tests the GPU step would not run: {sorted(marked - selected)}"
-    assert "tests/test_gpu_streams.py::test_cuda_graph_capture_replays_the_same_bits" in collected
+    assert "tests/cuda/test_gpu_streams.py::test_cuda_graph_capture_replays_the_same_bits" in collected
     assert not [c for c in collected if "smoke" in c], "the smoke test has its own step"
 
 

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import qcoll
-import reference as ref
-from distributed import run_ranks
-from test_nccl import _REASON, _nccl_env
+from tests.support import reference as ref
+from tests.support.distributed import run_ranks
+from tests.cuda.test_nccl import _REASON, _nccl_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=_REASON or "")]
 

@@ -1,5 +1,6 @@
 """qcoll's raw-NCCL transport (backend="nccl") on a GPU: several ranks share ONE GPU, each
-its own NCCL "host" talking over loopback sockets (../shared/gpu/README.md).
+its own NCCL "host" talking over loopback sockets (docs/emulators.md, "Several NCCL ranks on
+one GPU").
 
 Unquantized, non-hierarchical calls are NCCL's own collectives: they must equal torch's
 ProcessGroupNCCL exactly. Quantized calls run the same algorithm as over gloo; the CUDA
@@ -13,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import qcoll
-import reference as ref
-from distributed import run_ranks
+from tests.support import reference as ref
+from tests.support.distributed import run_ranks
 
 WORLD, NODE = 4, 2  # two emulated nodes of two ranks: the 2-hop path runs too
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -18,7 +18,7 @@ import torch
 
 import qcoll
 from qcoll import _nccl
-from distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 
 class FakeComm:

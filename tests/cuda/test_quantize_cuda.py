@@ -6,10 +6,10 @@ the CUDA-specific API behaviour (strides, streams, devices, out=)."""
 import pytest
 import torch
 
-import cuda_cases as cases
+from tests.support import cuda_cases as cases
 import qcoll
-import reference as ref
-from conftest import make_values
+from tests.support import reference as ref
+from tests.support.values import make_values
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and qcoll.build_info()["cuda_available"]),
@@ -36,7 +36,7 @@ def check_same(x_cpu, x_dev, *, out_dtypes=(None,), **kw):
                              qcoll.dequantize(q_c, dtype=dtype), f"dequantize {dtype}")
 
 
-# ---- the shared cases (tests/cuda_cases.py), also run by CI on the CPU emulator ------------------
+# ---- the shared cases (tests/support/cuda_cases.py), also run by CI on the CPU emulator ------------------
 @pytest.mark.parametrize("dtype,bits,symmetric,group_size,n,rounding,seed", cases.QUANTIZE)
 def test_cuda_matches_cpu(dtype, bits, symmetric, group_size, n, rounding, seed):
     x = make_values(n, dtype, "normal", group_size, bits, symmetric)

@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "sass_loads.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "gpu" / "sass_loads.py"
 spec = importlib.util.spec_from_file_location("sass_loads", SCRIPT)
 sass_loads = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(sass_loads)

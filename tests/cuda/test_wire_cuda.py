@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import cuda_cases as cases
+from tests.support import cuda_cases as cases
 import qcoll
-import reference as ref
+from tests.support import reference as ref
 from qcoll import _C
-from test_wire import CODE, DTYPES, OUTS, chunk_bytes, run_encode, run_reduce, wire_code
+from tests.quantize.test_wire import CODE, DTYPES, OUTS, chunk_bytes, run_encode, run_reduce, wire_code
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not (torch.cuda.is_available() and qcoll.build_info()["cuda_available"]),
@@ -29,7 +29,7 @@ def cuda_args():
 GPU = cases.GpuBackend()
 
 
-# ---- the shared cases (tests/cuda_cases.py), also run by CI on the CPU emulator ------------------
+# ---- the shared cases (tests/support/cuda_cases.py), also run by CI on the CPU emulator ------------------
 @pytest.mark.parametrize("dtype,bits,n,group_size", cases.ENCODE)
 def test_encode_cuda_matches_cpu(dtype, bits, n, group_size):
     cases.check_encode_case(GPU, dtype, bits, n, group_size)

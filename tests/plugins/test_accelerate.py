@@ -25,15 +25,15 @@ import types
 import pytest
 import torch
 
-import zero_models
-from distributed import _CTX, run_ranks
-from zero_helpers import gpt
+from tests.support import zero_models
+from tests.support.distributed import _CTX, run_ranks
+from tests.support.zero_helpers import gpt
 
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "qcoll", "pytest",
                              "accelerate.utils.fsdp_utils", *zero_models.PRELOAD])
 
 WORLD, NODE_SIZE, PER_RANK = 4, 2, 4
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def accelerate_shard(model, rank):

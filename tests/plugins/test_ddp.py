@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from distributed import run_ranks
-from test_fsdp import VOCAB, SEQ, EncoderLM
-from zero_helpers import gpt
+from tests.support.distributed import run_ranks
+from tests.plugins.test_fsdp import VOCAB, SEQ, EncoderLM
+from tests.support.zero_helpers import gpt
 
 NODE_SIZE = 2
 

@@ -21,11 +21,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import zero_helpers  # noqa: F401  (puts examples/ on sys.path, preloads torch._dynamo)
-from distributed import run_ranks
-from zero_helpers import gpt
-
-import train_fsdp2  # noqa: E402  (examples/train_fsdp2.py)
+from tests.support import fsdp_training, gpt
+from tests.support import zero_helpers  # noqa: F401  (preloads torch._dynamo in the forkserver)
+from tests.support.distributed import run_ranks
 
 VOCAB, SEQ, PER_RANK = 13, 16, 4
 
@@ -71,9 +69,9 @@ def _policy(precision):
 
 def _build(mode, world, *, node_size, reshard, precision="fp32", mesh=None, seed=0, shape=(20, 2, 36), **bits):
     torch.manual_seed(seed)
-    model = train_fsdp2.shard_blocks(EncoderLM(*shape), mesh or _mesh(world), reshard_after_forward=reshard,
+    model = fsdp_training.shard_blocks(EncoderLM(*shape), mesh or _mesh(world), reshard_after_forward=reshard,
                                      mp_policy=_policy(precision))
-    return train_fsdp2.configure(model, mode, node_size, **bits)
+    return fsdp_training.configure(model, mode, node_size, **bits)
 
 
 def _train(model, steps, rank, world, lr=3e-3, per_rank=PER_RANK):
@@ -83,7 +81,7 @@ def _train(model, steps, rank, world, lr=3e-3, per_rank=PER_RANK):
     for step in range(steps):
         x, y = language.batch(step, per_rank * world, SEQ)
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-        loss, sent = train_fsdp2.train_step(model, opt, x, y, gpt.lm_loss)
+        loss, sent = fsdp_training.train_step(model, opt, x, y, gpt.lm_loss)
         losses.append(loss.item())
         phases.append(sent)
     return losses, phases

@@ -17,10 +17,10 @@ import os
 import pytest
 import torch
 
-import zero_models
-from checkpoints import copied, same, scratch
-from distributed import run_ranks
-from zero_helpers import gpt
+from tests.support import zero_models
+from tests.support.checkpoints import copied, same, scratch
+from tests.support.distributed import run_ranks
+from tests.support.zero_helpers import gpt
 
 SAVE_WORLD, NODE_SIZE, GLOBAL_BATCH = 4, 2, 12
 MODES = ("default", "qcoll")

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import run_ranks
-from test_fsdp import UNQUANTIZED, _build, _full_params, _train
+from tests.support.distributed import run_ranks
+from tests.plugins.test_fsdp import UNQUANTIZED, _build, _full_params, _train
 
 
 def _mesh():

@@ -1,9 +1,9 @@
 """Hadamard smoothing (quantize / wire kernels / reduce-scatter with hadamard=True), CPU side.
 
-tests/reference.py's `hadamard` is the fp32 contract (stage order of quant_math.h); it is
+tests/support/reference.py's `hadamard` is the fp32 contract (stage order of quant_math.h); it is
 checked here against the Sylvester matrix built in float64, and the kernels are checked bit
 for bit against it followed by the plain reference quantizer. The CUDA kernels are checked
-against these CPU kernels through tests/cuda_cases.py."""
+against these CPU kernels through tests/support/cuda_cases.py."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import qcoll
-import reference as ref
-from conftest import generator, make_values
-from distributed import run_ranks
+from tests.support import reference as ref
+from tests.support.values import generator, make_values
+from tests.support.distributed import run_ranks
 from qcoll import _C
-from test_wire import (DTYPES, GARBAGE, chunk_bytes, expected_output, out_spec, partition,
+from tests.quantize.test_wire import (DTYPES, GARBAGE, chunk_bytes, expected_output, out_spec, partition,
                        ref_chunk, reference_sum, run_encode, run_reduce, wire_code)
 
 F32 = torch.float32

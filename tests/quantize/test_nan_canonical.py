@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qcoll
-from test_wire import DTYPES, make_sources, out_spec, run_encode, run_reduce
+from tests.quantize.test_wire import DTYPES, make_sources, out_spec, run_encode, run_reduce
 
 CANONICAL = {torch.float32: 0x7FFFFFFF, torch.float16: 0x7FFF, torch.bfloat16: 0x7FFF}
 INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}

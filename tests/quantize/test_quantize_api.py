@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import qcoll
-import reference as ref
+from tests.support import reference as ref
 from qcoll import _C
 from qcoll.quantization import MAX_GROUP_SIZE
-from conftest import make_values
+from tests.support.values import make_values
 
 
 @pytest.fixture

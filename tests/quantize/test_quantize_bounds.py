@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import qcoll
-import reference as ref
-from conftest import make_values
+from tests.support import reference as ref
+from tests.support.values import make_values
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 FLT_MAX = torch.finfo(torch.float32).max

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import qcoll
-import reference as ref
+from tests.support import reference as ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 GROUP_SIZES = [8, 16, 24, 256, 4096, 65536]

@@ -1,4 +1,4 @@
-"""The fp8_e4m3 code format against torch's own float8_e4m3fn conversion (tests/reference.py):
+"""The fp8_e4m3 code format against torch's own float8_e4m3fn conversion (tests/support/reference.py):
 codes bit for bit (every E4M3 value, every rounding tie, subnormals, saturation), the
 documented error bound, stochastic rounding, non-finite groups and the format's spellings."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import qcoll
-import reference as ref
-from conftest import make_values
+from tests.support import reference as ref
+from tests.support.values import make_values
 from qcoll import _C
 
 FP8 = ref.FP8

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qcoll
-import reference as ref
+from tests.support import reference as ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 WIDTH = {torch.float32: 32, torch.float16: 16, torch.bfloat16: 32}

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import qcoll
-import reference as ref
-from conftest import make_values
+from tests.support import reference as ref
+from tests.support.values import make_values
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SEEDS = [0, 1, 12345, 2**63 + 7, 2**64 - 1]

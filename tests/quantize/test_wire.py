@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import reference as ref
-from conftest import generator, make_values
+from tests.support import reference as ref
+from tests.support.values import generator, make_values
 from qcoll import _C
 
 CPU = (0, 0, 0)  # device kind, index, stream

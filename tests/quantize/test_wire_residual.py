@@ -2,7 +2,7 @@
 the CPU kernel against an independent reference. The value coded is the sum (Hadamard-
 transformed where the reduce transforms) plus the old residual; the new residual is that
 value minus what a receiver decodes, and 0 in a group whose codes are all zero (here: a
-non-finite group). tests/cuda_cases.py compares the CUDA kernels with this CPU kernel.
+non-finite group). tests/support/cuda_cases.py compares the CUDA kernels with this CPU kernel.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import reference as ref
-from conftest import generator
-from test_wire import (CPU, GARBAGE, _C, chunk_bytes, decode_chunk, make_sources, ref_chunk,
+from tests.support import reference as ref
+from tests.support.values import generator
+from tests.quantize.test_wire import (CPU, GARBAGE, _C, chunk_bytes, decode_chunk, make_sources, ref_chunk,
                        reference_sum, wire_code, CODE)
 
 # (in bits, in hadamard, out bits, out hadamard, n, group size, hadamard size): every code

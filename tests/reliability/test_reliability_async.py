@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import qcoll
-from distributed import run_ranks
-from test_collectives_errors import CommCounter
+from tests.support.distributed import run_ranks
+from tests.collectives.test_collectives_errors import CommCounter
 
 F32 = torch.float32
 

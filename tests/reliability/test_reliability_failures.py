@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import qcoll
-from distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 TIMEOUT = 5.0  # seconds: the groups' timeout in these tests
 SLACK = 6.0  # spawn jitter on a shared 2-core machine

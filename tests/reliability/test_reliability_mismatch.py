@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import qcoll
-from distributed import run_ranks
+from tests.support.distributed import run_ranks
 
 N = 1000
 

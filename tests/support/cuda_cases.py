@@ -15,13 +15,13 @@ import pytest
 import torch
 
 import qcoll
-import reference as ref
-from conftest import generator, make_values
-from test_wire import (CODE, DTYPES, GARBAGE, OUTS, REDUCE_CASES, SIZES, TOPOLOGIES,
+from tests.support import reference as ref
+from tests.support.values import generator, make_values
+from tests.quantize.test_wire import (CODE, DTYPES, GARBAGE, OUTS, REDUCE_CASES, SIZES, TOPOLOGIES,
                        chunk_bytes, run_encode, run_reduce, make_sources, out_spec, wire_code)
-from test_wire_residual import IDS as RESIDUAL_IDS
-from test_wire_residual import LAYOUTS as RESIDUAL_LAYOUTS
-from test_wire_residual import RESIDUAL_CASES, make_case, run_reduce_residual
+from tests.quantize.test_wire_residual import IDS as RESIDUAL_IDS
+from tests.quantize.test_wire_residual import LAYOUTS as RESIDUAL_LAYOUTS
+from tests.quantize.test_wire_residual import RESIDUAL_CASES, make_case, run_reduce_residual
 
 # ---- the cases ------------------------------------------------------------------------------------
 MODES = [("nearest", None), ("stochastic", 0), ("stochastic", 2**64 - 1)]

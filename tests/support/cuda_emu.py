@@ -1,7 +1,7 @@
 """The CUDA emulator module (qcoll._cuda_emu, src/emu) as a cuda_cases.Backend.
 
-QCOLL_EMU_MODULE=/path/to/_cuda_emu*.so loads another build of it (tests/mutations.py and
-tests/emu_asan.sh use this for mutated and AddressSanitizer builds)."""
+QCOLL_EMU_MODULE=/path/to/_cuda_emu*.so loads another build of it (tests/cuda/mutations.py and
+tests/cuda/emu_asan.sh use this for mutated and AddressSanitizer builds)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 
 import qcoll.quantization
 
-import cuda_cases as cases
-import reference as ref
-from test_wire import CODE, GARBAGE, wire_code
+from tests.support import cuda_cases as cases
+from tests.support import reference as ref
+from tests.quantize.test_wire import CODE, GARBAGE, wire_code
 
 
 def load_emu():

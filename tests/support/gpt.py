@@ -1,5 +1,6 @@
-"""A small GPT-style language model and a learnable synthetic language, for the ZeRO-3
-example (examples/train_zero3.py) and the engine's tests (tests/test_zero_*.py).
+"""A small GPT-style language model and a learnable synthetic language, for the examples
+(examples/train_zero3.py, train_fsdp2.py, accelerate_fsdp2.py), the tests (tests/zero/,
+tests/plugins/) and the benchmarks (bench/suites/zero.py, error_feedback.py, fidelity.py).
 
 Plain PyTorch: pre-LayerNorm blocks in an nn.ModuleList (each block one ZeRO-3 unit under
 ZeroConfig's default unit rule; the root holds the embeddings, final norm and head), causal

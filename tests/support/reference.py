@@ -373,7 +373,7 @@ def hadamard(x: torch.Tensor, size: int) -> torch.Tensor:
     the flat float32 run x (the contract of quant_math.h): stages with element strides 1, 2,
     ..., size/2, each turning the pair (a, b) at (i, i + stride) into (a + b, a - b) in fp32,
     then a multiply by fl32(1/sqrt(size)). A partial last block stays as it is. Its own
-    inverse. tests/test_hadamard.py checks it against the Sylvester matrix in float64."""
+    inverse. tests/quantize/test_hadamard.py checks it against the Sylvester matrix in float64."""
     flat = x.detach().to("cpu").reshape(-1).to(F32).clone()
     whole = flat.numel() // size * size
     b = flat[:whole].reshape(-1, size)

@@ -1,28 +1,19 @@
-"""Shared pieces of the ZeRO engine tests (tests/test_zero_*.py): the models, the data, a
-training loop for the engine on gloo ranks and a single-process reference loop.
+"""Shared pieces of the ZeRO engine tests (tests/zero/): the models, the data, a training
+loop for the engine on gloo ranks and a single-process reference loop.
 
-The small GPT and its synthetic language live in examples/gpt.py (the example trains the
-same model); this module puts examples/ on sys.path so tests and their spawned ranks can
-import it.
+The small GPT and its synthetic language are tests/support/gpt.py (the examples and the
+benchmarks train the same model).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import distributed
-
-_EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-if _EXAMPLES not in sys.path:
-    sys.path.insert(0, _EXAMPLES)
-
-import gpt  # noqa: E402  (examples/gpt.py)
+from tests.support import distributed, gpt
 
 # Building a torch optimizer imports torch._dynamo (~1 s a process, ~3 s when four ranks
 # import it at once on two cores). Every engine test builds one in every rank: import it

@@ -1,5 +1,5 @@
-"""Models nobody here wrote, for the ZeRO engine's tests (tests/test_zero_models.py), each
-a tiny random language model over the Markov language of examples/gpt.py (no downloads):
+"""Models nobody here wrote, for the ZeRO engine's tests (tests/zero/test_zero_models.py), each
+a tiny random language model over the Markov language of tests/support/gpt.py (no downloads):
 
 - "torch_encoder": nn.TransformerEncoder of nn.TransformerEncoderLayer (causal mask). Its
   nn.MultiheadAttention reads out_proj.weight without calling out_proj.

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import qcoll
-from distributed import run_ranks
+from tests.support.distributed import run_ranks
 from qcoll.zero import ZeroConfig, ZeroEngine
-from zero_helpers import ALL_OFF_FP32, OptimizerFactory, assert_same_but_call_checks, gpt, lm_loss
+from tests.support.zero_helpers import ALL_OFF_FP32, OptimizerFactory, assert_same_but_call_checks, gpt, lm_loss
 
 WORLD, NODE_SIZE = 4, 2
 CFG = gpt.GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, d_model=16)

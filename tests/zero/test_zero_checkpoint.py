@@ -23,9 +23,9 @@ import os
 import pytest
 import torch
 
-from checkpoints import same, scratch
-from distributed import run_ranks
-from zero_helpers import OddNet, OptimizerFactory, gpt, lm_loss, oddnet_batch
+from tests.support.checkpoints import same, scratch
+from tests.support.distributed import run_ranks
+from tests.support.zero_helpers import OddNet, OptimizerFactory, gpt, lm_loss, oddnet_batch
 
 WORLD, NODE_SIZE = 4, 2
 CFG = gpt.GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, d_model=16)

@@ -1,5 +1,5 @@
 """ZeRO++ (qwZ int8 + hpZ + qgZ int8/int4, bf16 compute) trains as well as fp32: a small
-GPT (examples/gpt.py) on a synthetic second-order Markov language, 4 ranks as 2 nodes x 2,
+GPT (tests/support/gpt.py) on a synthetic second-order Markov language, 4 ranks as 2 nodes x 2,
 against a single fp32 process on the same global batches. The mean loss of the last 20
 steps stays within 2% of the reference's, and both fall far below the uniform ln(vocab).
 
@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from distributed import run_ranks
-from zero_helpers import gpt, train_engine, train_reference
+from tests.support.distributed import run_ranks
+from tests.support.zero_helpers import gpt, train_engine, train_reference
 
 WORLD, NODE_SIZE = 4, 2
 STEPS = 200

@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from distributed import run_ranks
-from zero_helpers import (ALL_OFF_FP32, OddNet, OptimizerFactory, assert_same_but_call_checks, full_state,
+from tests.support.distributed import run_ranks
+from tests.support.zero_helpers import (ALL_OFF_FP32, OddNet, OptimizerFactory, assert_same_but_call_checks, full_state,
                           make_optimizer,
                           oddnet_batch, train_engine, train_reference)
 

@@ -20,8 +20,8 @@ import math
 import pytest
 import torch
 
-from distributed import run_ranks
-from zero_helpers import OptimizerFactory, gpt, lm_loss, train_engine
+from tests.support.distributed import run_ranks
+from tests.support.zero_helpers import OptimizerFactory, gpt, lm_loss, train_engine
 
 WORLD, NODE_SIZE = 4, 2
 CFG = gpt.GPTConfig(vocab_size=16, block_size=16, n_layer=1, n_head=2, d_model=32)

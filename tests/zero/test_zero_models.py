@@ -1,4 +1,4 @@
-"""ZeroEngine on models nobody here wrote (tests/zero_models.py: nn.TransformerEncoder,
+"""ZeroEngine on models nobody here wrote (tests/support/zero_models.py: nn.TransformerEncoder,
 nn.Transformer with its nn.TransformerDecoderLayer, HuggingFace GPT-2 and Llama), with the
 default units (each block of a ModuleList, the root for the rest), and on OddNet with
 explicit unit_modules (a reused module, a tied weight claimed by no smaller unit, frozen
@@ -22,10 +22,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-import distributed
-import zero_models
-from distributed import run_ranks
-from zero_helpers import ALL_OFF_FP32, OddNet, gpt, lm_loss, oddnet_batch, train_reference
+from tests.support import distributed
+from tests.support import zero_models
+from tests.support.distributed import run_ranks
+from tests.support.zero_helpers import ALL_OFF_FP32, OddNet, gpt, lm_loss, oddnet_batch, train_reference
 
 distributed._CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "qcoll", "pytest"]
                                         + zero_models.PRELOAD)

@@ -1,5 +1,5 @@
 """What ZeroEngine sends, counted by qcoll's own rule (qcoll.stats()), on 4 ranks as 2
-nodes x 2 training a small GPT (examples/gpt.py; d_model 128, untied head, no module reuse,
+nodes x 2 training a small GPT (tests/support/gpt.py; d_model 128, untied head, no module reuse,
 so every unit is gathered exactly once per forward and once per backward):
 
 - hpZ's backward all-gather never crosses nodes; without hpZ it does.
@@ -17,8 +17,8 @@ import functools
 import pytest
 import torch
 
-from distributed import run_ranks
-from zero_helpers import OptimizerFactory, assert_same_but_call_checks, gpt, lm_loss
+from tests.support.distributed import run_ranks
+from tests.support.zero_helpers import OptimizerFactory, assert_same_but_call_checks, gpt, lm_loss
 
 WORLD, NODE_SIZE = 4, 2
 CFG = gpt.GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, d_model=128, tie_weights=False)

@@ -11,7 +11,7 @@ from qcoll.zero import ZeroConfig
 from qcoll.zero.flat_param import FlatParam
 from qcoll.zero.unit import Unit, UnitState
 from qcoll.zero.unit_modules import assign_parameters, select_unit_modules
-from zero_helpers import gpt
+from tests.support.zero_helpers import gpt
 
 
 def _units(model, rule):
