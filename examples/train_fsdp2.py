@@ -33,10 +33,9 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # launch.py beside this file; te
 
 import launch  # noqa: E402
 from tests.support import gpt  # noqa: E402  (the GPT the tests and benchmarks use too)
+# shard_blocks: fully_shard per block, then the root; configure: qcoll.fsdp.use_qcoll, or FSDP2's
+# own collectives with their bytes counted (qcoll.fsdp.count_default_collectives).
 from tests.support.fsdp_training import configure, shard_blocks, train_step  # noqa: E402
-
-import qcoll  # noqa: E402
-import qcoll.fsdp  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PHASES = ("forward_allgather", "backward_allgather", "reduce_scatter")
