@@ -168,15 +168,3 @@ def group_size_chart(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-if __name__ == "__main__":  # python bench/plotting.py RESULT.json OUT.png: redraw a chart
-    import json
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from run import SUITES
-
-    record = json.load(open(sys.argv[1]))
-    SUITES[record["suite"]].plot(record, sys.argv[2])

@@ -32,7 +32,8 @@ Suites:
 
 The last line printed is `RESULT {json}`; --json also writes the result, with the command,
 machine and date, to PATH (e.g. bench/results/<suite>-<machine>.json); --plot writes a PNG
-chart (matplotlib, Agg backend). A long run shows a progress bar on a terminal.
+chart (matplotlib, Agg backend); `--replot RESULT --plot PATH` redraws a result's chart without
+running the suite. A long run shows a progress bar on a terminal.
 """
 
 from __future__ import annotations
@@ -104,12 +105,24 @@ def machine() -> dict:
     return info
 
 
+def replot(parser, suite, args) -> None:
+    if not args.plot:
+        parser.error("--replot needs --plot PATH")
+    with open(args.replot) as f:
+        record = json.load(f)
+    if record.get("suite") != args.suite:
+        parser.error(f"{args.replot} holds a {record.get('suite')!r} result, not {args.suite!r}")
+    suite.plot(record, args.plot)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suite", choices=sorted(SUITES))
     parser.add_argument("--quick", action="store_true", help="fewer sizes, for a fast look")
     parser.add_argument("--json", metavar="PATH", help="also write the result here")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG chart of the result here")
+    parser.add_argument("--replot", metavar="RESULT", help="redraw the chart (--plot PATH) of a result "
+                        "file this suite wrote with --json, instead of running the suite")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None,
                         help="kernels: devices to measure (auto: CPU, and CUDA when present); "
                              "collectives: cpu = gloo ranks (default), cuda = NCCL ranks on GPU 0")
@@ -157,6 +170,9 @@ def main() -> None:
         parser.error(f"suite {args.suite!r} does not take --{', --'.join(sorted(unknown))}")
 
     suite = SUITES[args.suite]
+    if args.replot:
+        replot(parser, suite, args)
+        return
     load_before = os.getloadavg()
     try:
         with Progress(transient=True) as progress:

@@ -8,7 +8,7 @@ qcoll.fsdp.use_qcoll puts qcoll's collectives into the FSDP2 groups Accelerate m
     torchrun --nnodes 2 --nproc-per-node 8 ... examples/accelerate_fsdp2.py  # nodes from LOCAL_WORLD_SIZE
 
 It trains a tiny transformers GPT-2 (from a config, no download) on the synthetic Markov
-language of gpt.py, prints the loss and writes the losses as JSON with --json. Accelerate
+language of tests/support/gpt.py, prints the loss and writes the losses as JSON with --json. Accelerate
 applies FSDP on two or more GPUs only: elsewhere (one GPU, CPUs) it reports another
 distributed type and leaves the model whole, and this script stops saying so.
 """
@@ -22,9 +22,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 
-import gpt  # noqa: E402
+from tests.support import gpt  # noqa: E402  (the GPT the tests and benchmarks use too)
 
 import qcoll  # noqa: E402
 import qcoll.fsdp  # noqa: E402

@@ -30,7 +30,7 @@ def run(worker, args) -> None:
 def setup(rank: int, ranks: int, backend: str, store) -> torch.device:
     """The rank's device and the default process group. GPUs: one per rank; several ranks
     sharing one GPU each get their own NCCL host id and talk over loopback sockets
-    (../shared/gpu/README.md), which proves correctness, not speed. CPU: gloo, the cores
+    (docs/emulators.md), which proves correctness, not speed. CPU: gloo, the cores
     split between the ranks."""
     if backend == "nccl":
         gpus = torch.cuda.device_count()

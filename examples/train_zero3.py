@@ -1,4 +1,4 @@
-"""Train a small GPT (examples/gpt.py) with qcoll's ZeRO-3 engine on N local processes seen
+"""Train a small GPT (tests/support/gpt.py) with qcoll's ZeRO-3 engine on N local processes seen
 as nodes of --node-size ranks, and compare plain ZeRO-3 with ZeRO++ (qwZ + hpZ + qgZ).
 
     python examples/train_zero3.py                      # ZeRO-3 vs ZeRO++, 4 ranks as 2x2
@@ -13,11 +13,11 @@ by side.
 
 CPU: gloo ranks, one thread each. GPUs: NCCL, one process per GPU; with a single GPU,
 several processes share it (each gets its own NCCL host id and NCCL talks over loopback
-sockets, see ../shared/gpu/README.md), which proves correctness, not speed. --backend
+sockets, see docs/emulators.md), which proves correctness, not speed. --backend
 gloo forces CPU; --qcoll-backend torch sends qcoll's traffic through the torch
 ProcessGroup instead of qcoll's own NCCL communicators.
 
-The data is a fixed random second-order Markov language (examples/gpt.py): the loss falls
+The data is a fixed random second-order Markov language (tests/support/gpt.py): the loss falls
 from ln(vocab) towards the chain's entropy rate, printed at the start.
 
 Under a launcher (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE) each
@@ -37,10 +37,11 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # launch.py beside this file; tests/support from the root
 
-import gpt  # noqa: E402
 import launch  # noqa: E402
+from tests.support import gpt  # noqa: E402  (the GPT the tests and benchmarks use too)
 
 import qcoll  # noqa: E402
 from qcoll.zero import ZeroConfig, ZeroEngine  # noqa: E402

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything qcoll needs a GPU for, in one call on a lent GPU machine (../shared/gpu/README.md:
+# Everything qcoll needs a GPU for, in one call on a lent GPU machine (expected there:
 # Python 3.12, torch with CUDA, nvcc, pytest-timeout, no package registry, no .git, sm_90):
 #
 #   bash bench/gpu/run.sh [OUT_DIR]        (OUT_DIR defaults to $OUT, else ./gpu-out)
@@ -24,7 +24,7 @@
 # The whole script keeps within QCOLL_GPU_BUDGET_S seconds (default 560: the device tool
 # gives one command 600 s), cutting each step's time limit to what is left.
 # QCOLL_GPU_DRY_RUN=1 runs the same step machinery on a fake step list (no GPU, no build):
-# tests/test_gpu_run_script.py checks it on CPU. QCOLL_GPU_DRY_RUN=list prints the tests the
+# tests/cuda/test_gpu_run_script.py checks it on CPU. QCOLL_GPU_DRY_RUN=list prints the tests the
 # GPU step selects (pytest --collect-only, same arguments) and exits.
 set -u -o pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -79,7 +79,7 @@ pytest_step() {
   step "$name" "$max" python3 -m pytest -q -rs -p no:cacheprovider --timeout="$per_test" "$@"
 }
 
-KERNEL_TESTS=(tests/test_quantize_cuda.py tests/test_wire_cuda.py)
+KERNEL_TESTS=(tests/cuda/test_quantize_cuda.py tests/cuda/test_wire_cuda.py)
 # Every test marked gpu but the smoke test (its own step, first).
 GPU_TESTS=(tests -m gpu -k "not smoke")
 
@@ -104,7 +104,7 @@ else
   step machine 60 bash -c 'nvidia-smi; nvcc --version; python3 -V; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.nccl.version())"; nproc; compute-sanitizer --version | tail -1'
   step build 300 python3 -m pip install --no-build-isolation --no-deps -e . -q
   step import 60 python3 -c "import json, qcoll; i = qcoll.build_info(); print(json.dumps(i)); assert i['cuda_available'], 'no CUDA in this build'; assert i['nccl'], 'qcoll cannot load NCCL'"
-  pytest_step smoke_nccl 60 50 tests/test_nccl.py -k smoke
+  pytest_step smoke_nccl 60 50 tests/cuda/test_nccl.py -k smoke
   pytest_step tests_gpu 300 120 "${GPU_TESTS[@]}"
   step memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 1 --print-limit 20 \
     python3 -m pytest -q -x -p no:cacheprovider --timeout=80 "${KERNEL_TESTS[@]}" -k "$SANITIZE_K"

@@ -2,7 +2,7 @@
 
     python bench/suites/_ef_worker.py CONFIG.json RANK
 
-For every configuration: the GPT of tests/test_zero_convergence.py (examples/gpt.py, vocab
+For every configuration: the GPT of tests/zero/test_zero_convergence.py (tests/support/gpt.py, vocab
 16, d_model 64, one layer) under DistributedDataParallel, AdamW, the same seed and the same
 synthetic Markov batches, with DDP's default all-reduce or qcoll.ddp's hook at the
 configuration's code formats, with or without error feedback. Rank 0 writes the mean loss
@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)  # tests/support: the GPT the tests and examples train too
 
-import gpt  # noqa: E402
+from tests.support import gpt  # noqa: E402
 
 import qcoll  # noqa: E402
 import qcoll.ddp  # noqa: E402

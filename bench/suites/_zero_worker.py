@@ -2,7 +2,7 @@
 
     python bench/suites/_zero_worker.py CONFIG.json RANK
 
-For every configuration in the config: builds examples/gpt.py's GPT from the same seed,
+For every configuration in the config: builds tests/support/gpt.py's GPT from the same seed,
 wraps it in qcoll.zero.ZeroEngine (the config's compute dtype, AdamW) on a qcoll group of node_size ranks
 per node, or shards it with PyTorch FSDP2 (a "fsdp2" entry: "default" or "qcoll"; see
 FSDP2Run), or replicates it with DDP (a "ddp" entry; see DDPRun), or trains it in one
@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, ROOT)  # tests/support: the GPT the tests and examples train too
 
-import gpt  # noqa: E402
+from tests.support import gpt  # noqa: E402
 
 import qcoll  # noqa: E402
 from qcoll.zero import ZeroConfig, ZeroEngine  # noqa: E402
@@ -114,14 +114,14 @@ class FSDP2Run:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        import train_fsdp2
+        from tests.support import fsdp_training
 
         mode = techniques["fsdp2"]
         policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg["dtype"]], reduce_dtype=torch.float32)
         mesh = init_device_mesh("cpu", (cfg["world"],))
         reshard = cfg["node_size"] if mode == "qcoll" else True
-        self.model = train_fsdp2.shard_blocks(model, mesh, reshard_after_forward=reshard, mp_policy=policy)
-        train_fsdp2.configure(self.model, mode, cfg["node_size"])
+        self.model = fsdp_training.shard_blocks(model, mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fsdp_training.configure(self.model, mode, cfg["node_size"])
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"], weight_decay=0.01)
         self.optimizer_s = 0.0
 

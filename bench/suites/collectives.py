@@ -44,7 +44,7 @@ from . import _ranks
 
 WORLD, NODE_SIZE = 4, 2
 DTYPE = "bf16"
-GPU_ENV = {  # several NCCL ranks on one GPU: ../shared/gpu/README.md
+GPU_ENV = {  # several NCCL ranks on one GPU: docs/emulators.md
     "CUDA_VISIBLE_DEVICES": "0", "NCCL_NET": "Socket", "NCCL_SOCKET_IFNAME": "lo",
     "NCCL_MNNVL_ENABLE": "0", "NCCL_PAT_ENABLE": "0",
 }

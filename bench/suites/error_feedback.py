@@ -1,6 +1,6 @@
 """`error_feedback` suite: what error feedback buys int4 gradients, on the convergence test.
 
-The GPT of tests/test_zero_convergence.py (vocab 16, d_model 64, one layer, 32 tokens,
+The GPT of tests/zero/test_zero_convergence.py (vocab 16, d_model 64, one layer, 32 tokens,
 8 sequences per rank, AdamW lr 5e-3) under DistributedDataParallel on 4 gloo ranks as 2
 nodes x 2, 200 steps (quick: 60), one run per configuration, same seed and batches:
 DDP's default all-reduce; qcoll.ddp's hook at int8 in the node / int4 across (its

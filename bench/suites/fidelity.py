@@ -1,5 +1,5 @@
 """`fidelity` suite: issue 12's fidelity bar. The convergence test's language model
-(tests/test_zero_convergence.py: examples/gpt.py's GPT, vocab 16, 1 layer, d_model 64, on
+(tests/zero/test_zero_convergence.py: tests/support/gpt.py's GPT, vocab 16, 1 layer, d_model 64, on
 its synthetic second-order Markov language; AdamW lr 5e-3, weight decay 0.01, no clipping;
 8 sequences of 32 tokens per rank) trained on 4 gloo ranks as 2 nodes x 2, bf16 compute,
 per configuration, for 600 steps (near the loss plateau; the test stops at 200), against the

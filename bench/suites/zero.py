@@ -1,4 +1,4 @@
-"""`zero` suite: one ZeRO-3 training step of examples/gpt.py's GPT with
+"""`zero` suite: one ZeRO-3 training step of tests/support/gpt.py's GPT with
 qcoll.zero.ZeroEngine, per ZeRO++ configuration.
 
 4 gloo ranks as 2 nodes x 2 (qcoll.new_group(node_size=2)), bf16 compute (--dtype fp32:

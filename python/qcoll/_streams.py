@@ -1,5 +1,5 @@
 """qcoll calls on CUDA tensors: a group's own streams, the events that order a call against
-the caller's stream, and what keeps a call's memory alive (DESIGN.md decision 10, as
+the caller's stream, and what keeps a call's memory alive (docs/design.md, decision 10, as
 torch's ProcessGroupNCCL does).
 
 Per Group family (a Group and its intra/inter sub-groups, which share NCCL communicators)

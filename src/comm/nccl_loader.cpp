@@ -1,4 +1,4 @@
-// Finds and loads NCCL at run time (DESIGN.md decision 8). No CUDA needed here, so
+// Finds and loads NCCL at run time (docs/design.md, decision 8). No CUDA needed here, so
 // build_info can report the NCCL version from any build.
 #include "qcoll/nccl_api.h"
 

@@ -1,0 +1,1 @@
+"""The benchmark suites and the speed gate."""

@@ -1,0 +1,65 @@
+"""The speed gate (`bench/run.py gate`): its verdict rules on made-up ratios, and end to end,
+that a deliberately slowed kernel fails it against the committed floors."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from tests.bench.test_bench import ROOT, _run
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from suites import gate  # noqa: E402
+
+
+def test_compare_flags_a_ratio_below_tolerance_of_its_floor():
+    floors = {"a": 1.0, "b": 0.5, "c": 0.4}
+    measured = {"a": 0.76, "b": 0.37, "c": 0.9}  # b: 0.74 of its floor
+    verdict = gate.compare(measured, floors, tolerance=0.75)
+    assert {c: v["status"] for c, v in verdict["cells"].items()} == {"a": "ok", "b": "slow", "c": "ok"}
+    assert abs(verdict["cells"]["b"]["of_floor"] - 0.74) < 1e-9
+    assert verdict["new"] == {}
+
+
+def test_compare_fails_a_floor_whose_cell_is_gone_and_reports_new_cells():
+    verdict = gate.compare({"renamed": 1.0}, {"old": 1.0})
+    assert verdict["cells"]["old"]["status"] == "missing"
+    assert verdict["new"] == {"renamed": 1.0}
+
+
+def test_committed_floors_cover_every_kernel_and_collective_cell():
+    floors = gate.load_floors()["floors"]
+    assert floors, "bench/gate.json has no floors"
+    assert all(0 < f < 10 for f in floors.values())
+    names = {c for c in floors if c.startswith("kernel ")}
+    for kernel in ("quantize int8", "quantize int4", "quantize fp8_e4m3", "dequantize int8",
+                   "swizzled quantize int8", "dq-reduce-q int8x2->int4", "dq-reduce int4x2"):
+        for dtype in ("fp32", "bf16") if "dq-reduce-q" not in kernel else ("fp32",):
+            assert gate.kernel_cell(kernel, dtype) in names, (kernel, dtype)
+    for collective in ("allgather", "reduce_scatter", "all_reduce"):
+        for impl in gate.COLLECTIVE_IMPLS:
+            for n in gate.COLLECTIVE_BYTES:
+                assert gate.collective_cell(collective, impl, n) in floors
+    assert any(c.endswith("(sizes, blocks)") for c in floors)
+
+
+def test_gate_refuses_other_thread_counts_than_its_floors():
+    proc = _run("gate", "--gate-parts", "kernels", env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert proc.returncode != 0 and "OMP_NUM_THREADS=1" in proc.stderr
+
+
+def test_gate_fails_on_a_deliberately_slowed_kernel():
+    """qcoll.quantize doing its work four times: every quantize cell falls to about a quarter
+    of its floor, the gate retries, still fails, exits 1 and names them."""
+    proc = _run("gate", "--gate-parts", "kernels", "--slow", "quantize", timeout=300,
+                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1][len("RESULT "):])
+    assert result["failed"] and result["retried"] == ["kernels"]
+    quantize = [c for c in result["cells"] if c.startswith("kernel quantize ")]
+    assert len(quantize) >= 6  # int8, int4, fp8 x fp32, bf16 (and their +H / SR rows)
+    for cell in quantize:
+        assert result["cells"][cell]["status"] == "slow", (cell, result["cells"][cell])
+        assert cell in result["failing_cells"]
+    assert "gate FAILED" in proc.stdout

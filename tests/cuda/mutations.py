@@ -1,0 +1,197 @@
+"""Proof that the emulator tests catch bugs in the CUDA kernels: applies small mutations,
+one at a time, to a copy of the sources, rebuilds only the emulator module (qcoll._cuda_emu)
+from that copy, runs `pytest -m cuda_emu` against it and prints a table of which test
+caught each mutation and how. Every mutation must be caught (exit status 1 otherwise).
+
+    python tests/cuda/mutations.py [--keep DIR] [--only NAME ...]
+
+Takes a few minutes: one full build of the module, then one kernel file per mutation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# (name, file, original text, mutated text, what the mutation models)
+MUTATIONS = [
+    ("tail-read-off-by-one", "src/cuda/quant_team.cuh",
+     "r.w[k] |= static_cast<uint32_t>(src[j < count ? j : 0]) << (16 * h);",
+     "r.w[k] |= static_cast<uint32_t>(src[j <= count ? j : 0]) << (16 * h);",
+     "a run's last packet reads one element past its end"),
+    ("removed-syncthreads", "src/cuda/quant_team.cuh",
+     "  if (threadIdx.x % 32 == 0) partial[warp] = s;\n  __syncthreads();\n",
+     "  if (threadIdx.x % 32 == 0) partial[warp] = s;\n",
+     "team_reduce reads the warps' partials without the barrier after they are written"),
+    ("shuffle-wrong-width", "src/cuda/quant_team.cuh",
+     "__shfl_xor_sync(kAll, s.abs_bits, mask)",
+     "__shfl_xor_sync(kAll, s.abs_bits, mask, 16)",
+     "the absmax shuffle runs over 16-lane segments instead of the warp"),
+    ("unaligned-vector-load", "src/cuda/quantize.cu",
+     "static_cast<const typename E::Bits*>(a.input), aligned(a.input, 16)};",
+     "static_cast<const typename E::Bits*>(a.input), aligned(a.input, 8)};",
+     "16-byte vector loads whenever the input is 8-byte aligned"),
+    ("unaligned-vector-store", "src/cuda/elementwise_kernel.cuh",
+     "r.vec = runs_aligned(base, stride_bytes, items, 16);",
+     "r.vec = runs_aligned(base, stride_bytes, items, 4);",
+     "16-byte vector stores of raw values whenever the runs are 4-byte aligned"),
+    ("rounding-half-away", "include/qcoll/quant_math.h",
+     "  return rintf(v);",
+     "  return roundf(v);",
+     "device rounding of codes: roundf (ties away from zero) instead of rintf (ties to even)"),
+    ("grid-stride-step", "src/cuda/team_kernel.cuh",
+     "       first += int64_t{gridDim.x} * teams) {",
+     "       first += int64_t{gridDim.x}) {",
+     "the grid-stride loop of the team kernel steps by blocks instead of teams"),
+    ("padding-off-by-one", "src/cuda/wire.cu",
+     "const int64_t scales_end = scales_offset + 4 * groups;",
+     "const int64_t scales_end = scales_offset + 4 * (groups - 1);",
+     "a chunk's padding is zeroed from one scale too early, over the last group's scale"),
+    ("int4-tail-nibble", "src/cuda/quant_team.cuh",
+     "  if (count < kPacket) codes &= (uint64_t{1} << (count * Bits)) - 1;\n",
+     "",
+     "an odd int4 tail keeps the padding element's code in its high nibble"),
+    ("swizzle-swapped", "src/cuda/wire.cu",
+     "int64_t{k32 % nodes} * node_size + k32 / nodes",
+     "int64_t{k32 / nodes} * node_size + k32 % nodes",
+     "Algorithm 2's slice order transposed"),
+    ("atomic-to-store", "src/cuda/team_kernel.cuh",
+     "atomicMax(slot_word(s.at(s.scales, item, g)), st.abs_bits);",
+     "*slot_word(s.at(s.scales, item, g)) = st.abs_bits;",
+     "split-path absmax merged with a plain store instead of atomicMax"),
+    ("fp8-ties-away", "include/qcoll/quant_math.h",
+     "((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20)",
+     "((a + 0x80000u) >> 20)",
+     "fp8_e4m3 codes round ties away from zero instead of to even"),
+    ("early-exit-before-collective", "src/cuda/team_kernel.cuh",
+     "    const TeamUnit unit = team_unit<P>(sink, first + team);\n",
+     "    const TeamUnit unit = team_unit<P>(sink, first + team);\n    if (unit.begin >= unit.end) return;\n",
+     "threads of an empty team return before the team's shuffles and barriers"),
+    ("hadamard-shuffle-sign", "src/cuda/quant_team.cuh",
+     "math::butterfly(p[j].x[k], partner, upper)",
+     "math::butterfly(partner, p[j].x[k], upper)",
+     "the upper element of a cross-lane Hadamard pair gets upper - lower"),
+    ("hadamard-register-pair", "src/cuda/quant_team.cuh",
+     "p[j + s].x[k] = math::sub(lo, hi);",
+     "p[j + s].x[k] = math::sub(hi, lo);",
+     "the upper element of a Hadamard pair held in one lane's registers gets upper - lower"),
+    ("hadamard-partial-block", "src/cuda/quant_team.cuh",
+     "return size > 0 && e / size * size + size <= len;",
+     "return size > 0 && e < len;",
+     "a run's partial last Hadamard block is transformed too"),
+    ("hadamard-unpadded-runs", "src/cuda/elementwise_kernel.cuh",
+     "const int64_t per_block = r.hadamard ? r.hadamard / kPacket : 1;",
+     "const int64_t per_block = 1;",
+     "elementwise runs not padded to whole blocks: a block's packets straddle runs and warps"),
+    ("stochastic-index", "src/cuda/quantize.cu",
+     "uint64_t index(int64_t, int64_t e) const { return index_base + e; }",
+     "uint64_t index(int64_t, int64_t e) const { return index_base; }",
+     "stochastic rounding draws one random number for the whole tensor instead of one per element"),
+]
+
+
+def run(cmd, **kw):
+    return subprocess.run(cmd, check=True, text=True, **kw)
+
+
+def configure(src: Path, build: Path) -> None:
+    import pybind11
+
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    run(["cmake", "-S", str(src), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release",
+         "-DQCOLL_CUDA=OFF", f"-DPython_EXECUTABLE={sys.executable}",
+         f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+         f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={build / 'out'}"], stdout=subprocess.DEVNULL)
+
+
+def build(build_dir: Path) -> Path:
+    jobs = os.environ.get("QCOLL_BUILD_JOBS", "2")
+    run(["cmake", "--build", str(build_dir), "--target", "_cuda_emu", "--parallel", jobs],
+        stdout=subprocess.DEVNULL)
+    return next((build_dir / "out").glob("_cuda_emu*.so"))
+
+
+def pytest(module: Path) -> tuple[int, str, float]:
+    """(exit status, the first failure's test and message, seconds)."""
+    env = dict(os.environ, QCOLL_EMU_MODULE=str(module), OMP_NUM_THREADS="1",
+               COLUMNS="1000")  # pytest cuts its summary lines at the terminal width
+    t = time.time()
+    p = subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "tests"), "-m", "cuda_emu",
+                        "-x", "-q", "-p", "no:cacheprovider", "-rf", "--tb=line"],
+                       env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    failed = [l for l in p.stdout.splitlines() if l.startswith("FAILED ")]
+    return p.returncode, failed[0][len("FAILED "):] if failed else "", time.time() - t
+
+
+def short(failure: str) -> tuple[str, str]:
+    test, _, msg = failure.partition(" - ")
+    test = test.replace("tests/", "")
+    msg = re.sub(r"0x[0-9a-f]{6,}", "0x…", msg)
+    return test, (msg[:150] + "…") if len(msg) > 150 else msg
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--keep", help="work directory to keep (default: a temporary one)")
+    ap.add_argument("--only", nargs="*", help="mutation names to run")
+    args = ap.parse_args()
+    work = Path(args.keep or tempfile.mkdtemp(prefix="qcoll-mutations-"))
+    src = work / "src-copy"
+    if src.exists():
+        shutil.rmtree(src)
+    src.mkdir(parents=True)
+    for part in ("CMakeLists.txt", "include", "src"):
+        (shutil.copytree if (ROOT / part).is_dir() else shutil.copy)(ROOT / part, src / part)
+    configure(src, work / "build")
+
+    module = build(work / "build")
+    status, failure, secs = pytest(module)
+    if status != 0:
+        print(f"the unmutated sources fail the emulator tests: {failure}")
+        return 1
+    print(f"baseline: pytest -m cuda_emu passes on the unmutated copy ({secs:.0f} s)")
+
+    rows, missed = [], []
+    for name, rel, old, new, what in MUTATIONS:
+        if args.only and name not in args.only:
+            continue
+        path = src / rel
+        text = path.read_text()
+        assert text.count(old) == 1, f"{name}: the original text must occur once in {rel}"
+        path.write_text(text.replace(old, new))
+        try:
+            module = build(work / "build")
+            status, failure, secs = pytest(module)
+        finally:
+            path.write_text(text)
+        caught = status != 0
+        test, msg = short(failure) if caught else ("", "")
+        rows.append((name, rel.split("/")[-1], what, "yes" if caught else "**no**", test, msg,
+                     secs))
+        if not caught:
+            missed.append(name)
+        print(f"{name}: {'caught by ' + test if caught else 'NOT CAUGHT'} ({secs:.0f} s)",
+              flush=True)
+    build(work / "build")  # leave the build matching the unmutated copy
+
+    print("\n| mutation | file | what it breaks | caught | first failing test | message |")
+    print("|---|---|---|---|---|---|")
+    for name, file, what, caught, test, msg, _ in rows:
+        print(f"| {name} | {file} | {what} | {caught} | `{test}` | {msg.replace('|', '/')} |")
+    print(f"\n{len(rows) - len(missed)} of {len(rows)} mutations caught")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The examples under torchrun across emulated nodes."""

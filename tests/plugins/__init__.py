@@ -1,0 +1,1 @@
+"""The plug-ins: FSDP2, HSDP, DDP, Hugging Face Accelerate."""

@@ -1,0 +1,1 @@
+"""CPU kernels: quantize / dequantize, code formats, Hadamard, the wire format, ISA paths."""

@@ -1,0 +1,1 @@
+"""Mismatched calls, dead peers, timeouts and async failures."""

@@ -1,0 +1,1 @@
+"""The ZeRO engine (qcoll.zero)."""
