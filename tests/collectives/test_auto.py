@@ -14,11 +14,11 @@ import torch
 
 import qcoll
 import qcoll.ddp
-from distributed import run_ranks
+from tests.support.distributed import run_ranks
 from qcoll.auto import Auto
 from qcoll.policy import ALL_GATHER, take_policy
 from qcoll.zero import ZeroConfig
-from test_cost_model import NODE_SIZE, synthetic
+from tests.collectives.test_cost_model import NODE_SIZE, synthetic
 
 N = 1 << 16  # elements per rank's part: 256 KB of fp32
 
@@ -171,7 +171,7 @@ def test_plugins_take_auto():
 
 def _engine_losses(rank, world, fast):
     from qcoll.zero import ZeroEngine
-    from zero_helpers import OddNet, OptimizerFactory, oddnet_batch, train_engine
+    from tests.support.zero_helpers import OddNet, OptimizerFactory, oddnet_batch, train_engine
 
     out = {}
     for name, config in (("auto", ZeroConfig(compute_dtype=torch.float32, policy="auto")),

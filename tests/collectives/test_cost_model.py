@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qcoll
-from distributed import run_ranks
+from tests.support.distributed import run_ranks
 from qcoll import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
 from qcoll.cost import _PROBE_FORMATS, CostModel, KernelRate, Link
 
