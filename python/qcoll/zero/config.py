@@ -130,10 +130,9 @@ class ZeroConfig:
     @functools.cached_property
     def grad_policy(self) -> ReduceScatterPolicy:
         """The gradient reduce-scatter's policy (qgz=False: the transport's own)."""
-        if not self.qgz:
-            return ReduceScatterPolicy.transport()
-        return ReduceScatterPolicy(self.grad_intra_bits, self.grad_inter_bits, self.group_size,
-                                   self.grad_pipeline_stages, hadamard=self.grad_hadamard)
+        return ReduceScatterPolicy.gradients(self.grad_intra_bits if self.qgz else None,
+                                             self.grad_inter_bits if self.qgz else None, self.group_size,
+                                             self.grad_pipeline_stages, hadamard=self.grad_hadamard)
 
     def _check_stage_switches(self) -> None:
         if self.stage == 2:
