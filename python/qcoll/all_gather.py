@@ -36,9 +36,9 @@ def all_gather_call(what: str, output: torch.Tensor, input: torch.Tensor, g, pol
                     code: int, async_op: bool):
     """The all-gather of checked arguments (also delta_allgather's bits=None)."""
     n = input.numel() * (input.element_size() if code == BYTES_CODE else 1)
-    call.debug_check(g, (what, n, output.numel(), str(input.dtype), policy.code, policy.group_size),
-                     input.device)
-    step = AllGather(g, n, code, policy.code, policy.group_size, input.device)
+    wire = policy.code
+    call.debug_check(g, (what, n, output.numel(), str(input.dtype), wire, policy.group_size), input.device)
+    step = AllGather(g, n, code, wire, policy.group_size, input.device)
 
     def launch(ctx, workspace):
         step.run(ctx, input, output, workspace)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from .. import _C
 from .._dtypes import BYTES_CODE, DTYPE_CODES, dtype_code
+from ..group import Group
 
 OPS = dict(_C.OPS)  # name -> the core's ReduceOp code
 
@@ -22,8 +23,6 @@ _SIZE_RULES = {
 def ranks_in(group) -> int:
     """The group's number of ranks without creating a qcoll.Group (arguments are checked
     before any Group is made: making one communicates)."""
-    from ..group import Group  # the group module imports the runtime's worker and streams
-
     if isinstance(group, Group):
         return group.size
     if group is not None and not isinstance(group, dist.ProcessGroup):

@@ -13,6 +13,8 @@ from .._dtypes import DTYPE_CODES
 
 IDS = dict(_C.BUFFERS)  # name -> the core's BufferId, read once from the core
 _INPUT, _OUTPUT, _WORKSPACE = IDS["input"], IDS["output"], IDS["workspace"]
+if sorted(IDS.values()) != [0, 1, 2]:  # CallBuffers lists its tensors by id
+    raise ImportError(f"qcoll: the core's buffer ids {IDS} are not 0, 1, 2")
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
@@ -28,7 +30,7 @@ class CallBuffers:
         tensors[_INPUT], tensors[_OUTPUT], tensors[_WORKSPACE] = input, output, workspace
         self._tensors = tensors
         self._views = [None] * len(IDS)
-        self.pointers = tuple(t.data_ptr() for t in tensors)
+        self.pointers = (tensors[0].data_ptr(), tensors[1].data_ptr(), tensors[2].data_ptr())
 
     def bytes(self, buffer: int, offset: int, nbytes: int) -> torch.Tensor:
         view = self._views[buffer]
