@@ -248,7 +248,7 @@ def pipeline_rows(b: Bench, group, cfg: dict, device) -> list:
     """Where pipelining pays: the default qgZ reduce-scatter of an fp32 gradient with
     pipeline_stages 1, 2, 4 as requested ("forced": every stage run, whatever its size) and
     as qcoll runs them ("auto": stages cut below MIN_PIPELINE_STAGE_BYTES dropped)."""
-    import qcoll.collectives as qcc
+    import qcoll._runtime.steps as qcc
 
     rows, world, rank = [], b.world, b.rank
     for size in cfg.get("pipeline_sizes", []):
@@ -259,11 +259,11 @@ def pipeline_rows(b: Bench, group, cfg: dict, device) -> list:
 
         def call(stages, min_bytes):
             def fn():
-                qcc._MIN_STAGE_BYTES = min_bytes
+                qcc.MIN_STAGE_BYTES = min_bytes
                 try:
                     qcoll.quantized_reduce_scatter(out, inp, group, pipeline_stages=stages)
                 finally:
-                    qcc._MIN_STAGE_BYTES = _C.MIN_PIPELINE_STAGE_BYTES
+                    qcc.MIN_STAGE_BYTES = _C.MIN_PIPELINE_STAGE_BYTES
             return fn
 
         impls = {"stages=1": call(1, _C.MIN_PIPELINE_STAGE_BYTES)}

@@ -8,6 +8,15 @@
 
 namespace qcoll {
 
+// The ids of a call's buffers in BufferRef::buffer (exported as _C.BUFFERS: the torch
+// transport's per-call buffers object indexes its tensors by them).
+enum class BufferId : int32_t { kInput = 0, kOutput = 1, kWorkspace = 2 };
+inline constexpr int32_t kBufferCount = 3;
+
+inline const char* buffer_name(BufferId id) {
+  return id == BufferId::kInput ? "input" : id == BufferId::kOutput ? "output" : "workspace";
+}
+
 struct CollectiveBuffers {
   BufferRef input;
   BufferRef output;
@@ -18,6 +27,15 @@ struct CollectiveBuffers {
   // node_size), in the inter-node chunks' domain. Read and replaced by the call; kernels
   // only (never a transport buffer). Ignored by other calls.
   float* inter_residual = nullptr;
+
+  // The buffers at these pointers, ids BufferId, all indexed in `table` (see BufferRef).
+  static CollectiveBuffers of(void* input, void* output, void* workspace, const void* table) {
+    CollectiveBuffers b;
+    b.input = BufferRef{input, static_cast<int32_t>(BufferId::kInput), 0, table};
+    b.output = BufferRef{output, static_cast<int32_t>(BufferId::kOutput), 0, table};
+    b.workspace = BufferRef{workspace, static_cast<int32_t>(BufferId::kWorkspace), 0, table};
+    return b;
+  }
 };
 
 // output = the n elements of every member, member order; every rank's output is identical

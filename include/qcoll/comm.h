@@ -26,15 +26,18 @@ enum class ReduceOp : int32_t { kSum = 0, kAvg = 1 };  // codes exported as _C.O
 inline const char* reduce_op_name(ReduceOp op) { return op == ReduceOp::kAvg ? "avg" : "sum"; }
 
 // A buffer passed to the transport. Transports that address memory by pointer (NCCL) use
-// `ptr`; the torch transport addresses the caller's tensors by (buffer id, byte offset),
-// since Python cannot make a tensor out of a raw pointer.
+// `ptr`; the torch transport addresses the caller's tensors by (buffer id, byte offset) in
+// `table`, the call's own buffers object (python/qcoll/_runtime/buffers.py), which the
+// caller passes with the call and the core hands back with every exchange (no per-group
+// registry), since Python cannot make a tensor out of a raw pointer. Ids: BufferId.
 struct BufferRef {
   void* ptr = nullptr;
   int32_t buffer = -1;
   int64_t offset = 0;
+  const void* table = nullptr;  // opaque to the core; the caller's per-call buffers object
 
   BufferRef at(int64_t bytes) const {
-    return BufferRef{static_cast<char*>(ptr) + bytes, buffer, offset + bytes};
+    return BufferRef{static_cast<char*>(ptr) + bytes, buffer, offset + bytes, table};
   }
 };
 

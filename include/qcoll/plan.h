@@ -36,6 +36,12 @@ struct ReduceScatterPlan {
   // crosses nodes with when the group spans several (the all-reduce gathers in it).
   WireFormat second;
 
+  // The encodes a rank makes of values only it holds (what error feedback compensates):
+  // its input, by the first hop; its partial sums over its node, re-encoded for the
+  // inter-node hop (nodes rows of n elements).
+  bool encodes_input() const { return first.quantized(); }
+  bool reencodes_partial_sums() const { return two_hop && second.quantized(); }
+
   int64_t slice_begin(int32_t s) const { return s * slice; }
   int64_t slice_len(int32_t s) const {
     const int64_t rest = n - slice_begin(s);

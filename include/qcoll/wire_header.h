@@ -136,10 +136,18 @@ void check_headers(const uint8_t* slots, int64_t stride, int64_t count, ChunkHea
   }
 }
 
+// The collective a call header describes (exported as _C.CALL_KINDS).
+enum class CallKind : uint8_t { kAllGather = 1, kReduceScatter = 2, kAllReduce = 3 };
+
+inline const char* call_kind_name(CallKind k) {
+  return k == CallKind::kAllGather ? "all-gather" : k == CallKind::kAllReduce ? "all-reduce"
+                                                                              : "reduce-scatter";
+}
+
 // What every rank must agree on for one call, all-gathered before any payload.
 struct CallHeader {
   uint32_t magic = kChunkMagic;
-  uint8_t kind = 0;  // 1 all-gather, 2 reduce-scatter, 3 all-reduce
+  uint8_t kind = 0;  // CallKind
   uint8_t dtype = 0;
   uint8_t first_format = 0;   // CodeFormat
   uint8_t second_format = 0;  // CodeFormat (kRaw without a second hop)
@@ -163,12 +171,12 @@ inline std::string describe(const CallHeader& h) {
   }
   auto name = [](uint8_t f) { return std::string(format_name(static_cast<CodeFormat>(f))); };
   const uint8_t raw = static_cast<uint8_t>(CodeFormat::kRaw);
-  os << (h.kind == 1 ? "all-gather" : h.kind == 3 ? "all-reduce" : "reduce-scatter") << " call "
-     << h.sequence << ", " << h.n << " " << dtype_name(static_cast<DType>(h.dtype))
+  const CallKind kind = static_cast<CallKind>(h.kind);
+  os << call_kind_name(kind) << " call " << h.sequence << ", " << h.n << " " << dtype_name(static_cast<DType>(h.dtype))
      << " elements per rank, ";
-  if (h.kind == 3) {
+  if (kind == CallKind::kAllReduce) {
     os << name(h.first_format) << ", op " << reduce_op_name(static_cast<ReduceOp>(h.op));
-  } else if (h.kind == 1) {
+  } else if (kind == CallKind::kAllGather) {
     os << name(h.first_format);
   } else {
     os << (h.two_hop ? "2-hop " : "1-hop ") << name(h.first_format);

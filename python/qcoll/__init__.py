@@ -1,16 +1,17 @@
 """qcoll: quantized collectives for sharded data-parallel training."""
 
 from ._version import __version__
-from ._calls import CommunicationError, Work
+from ._runtime.worker import CommunicationError, Work
 from .all_reduce import quantized_all_reduce
 from .cost import CostModel, cost_model
-from .collectives import quantized_allgather, quantized_reduce_scatter
+from .all_gather import quantized_allgather
 from .delta import delta_allgather
 from .error_feedback import ErrorFeedback
 from .group import Group, destroy, new_group
 from .info import build_info
 from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
 from .quantization import DEFAULT_GROUP_SIZE, QuantizedTensor, dequantize, quantize
+from .reduce_scatter import quantized_reduce_scatter
 from .stats import reset_stats, stats
 
 __all__ = [

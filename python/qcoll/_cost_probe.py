@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import cost as cm
+from ._runtime import call
 from ._formats import FORMATS
 from .quantization import dequantize, quantize
 
@@ -20,7 +21,7 @@ def agreed_max(group, values: list, device: torch.device) -> list:
     """The element-wise maximum of `values` over the group's ranks."""
     if group.size == 1:
         return list(values)
-    group._calls.drain()  # group.pg may be the worker's own: never both at once (as _debug_check)
+    call.drain(group)
     t = torch.tensor(values, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
     return t.tolist()
@@ -48,7 +49,7 @@ def _best_time(fn, device: torch.device) -> float:
 def _link(group, tier, device: torch.device, deadline: float) -> cm.Link:
     """The tier's Link from raw all-gathers over `tier` (the node's or the column's group),
     which every rank of `group` runs at once: a tiny one (latency), then growing ones."""
-    from .collectives import quantized_allgather
+    from .all_gather import quantized_allgather
 
     def gather_time(nbytes: int) -> float:
         src = torch.zeros(nbytes, dtype=torch.uint8, device=device)

@@ -1,18 +1,15 @@
 """Transports the C++ collectives call back into: a torch.distributed ProcessGroup, and a
-trivial one for a group of one rank. Buffers are addressed by (id, byte offset) into the
-flat uint8 views the current call registered (see Buffers)."""
+trivial one for a group of one rank. Each exchange comes with the calling core call's own
+buffers (_runtime/buffers.py's CallBuffers, passed through the core) and addresses them
+by (buffer id, byte offset)."""
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from . import _C
-from ._calls import CommunicationError
-from ._dtypes import DTYPE_CODES
-
-_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+from ._runtime.worker import CommunicationError
 _SUM, _AVG = _C.OPS["sum"], _C.OPS["avg"]  # the core's ReduceOp codes
 
 # torch >= 2.9 names; older releases only have the *_into_tensor / *_tensor ones.
@@ -20,35 +17,13 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class Buffers:
-    """The tensors of the collective call in flight, as flat uint8 views: 0 input,
-    1 output, 2 workspace (the ids the C++ side uses)."""
-
-    def __init__(self):
-        self.views = None
-
-    def set(self, *tensors):
-        self.views = [t.reshape(-1).view(torch.uint8) for t in tensors]
-
-    def clear(self):
-        self.views = None
-
-    def bytes(self, buffer: int, offset: int, nbytes: int) -> torch.Tensor:
-        return self.views[buffer][offset : offset + nbytes]
-
-    def typed(self, buffer: int, offset: int, count: int, dtype_code: int) -> torch.Tensor:
-        dtype = _DTYPES[dtype_code]
-        return self.bytes(buffer, offset, count * dtype.itemsize).view(dtype)
-
-
 class ProcessGroupTransport:
     """Exchanges over a ProcessGroup qcoll owns. `label` names the group in errors (for a
     2-hop call, which hop failed)."""
 
-    def __init__(self, pg, buffers: Buffers, label: str):
+    def __init__(self, pg, label: str):
         self.pg = pg
         self.size = dist.get_world_size(pg)
-        self.buffers = buffers
         self.label = label
         self.is_nccl = dist.get_backend(pg) == "nccl"
         # The ProcessGroup's own methods where this torch has them (>= 2.9): the same
@@ -72,9 +47,9 @@ class ProcessGroupTransport:
     def _failed(self, what: str, exc: Exception) -> CommunicationError:
         return CommunicationError(f"{what} over {self.label}: {type(exc).__name__}: {exc}")
 
-    def all_to_all(self, send_id, send_off, recv_id, recv_off, nbytes):
-        send = self.buffers.bytes(send_id, send_off, self.size * nbytes)
-        recv = self.buffers.bytes(recv_id, recv_off, self.size * nbytes)
+    def all_to_all(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
+        send = buffers.bytes(send_id, send_off, self.size * nbytes)
+        recv = buffers.bytes(recv_id, recv_off, self.size * nbytes)
         try:
             if self._direct:
                 self.pg.all_to_all_single(recv, send, [], [], self._options(c10d.AllToAllOptions)).wait()
@@ -83,9 +58,9 @@ class ProcessGroupTransport:
         except Exception as exc:  # noqa: BLE001 - named and re-raised
             raise self._failed("all-to-all", exc) from exc
 
-    def all_gather(self, send_id, send_off, recv_id, recv_off, nbytes):
-        send = self.buffers.bytes(send_id, send_off, nbytes)
-        recv = self.buffers.bytes(recv_id, recv_off, self.size * nbytes)
+    def all_gather(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
+        send = buffers.bytes(send_id, send_off, nbytes)
+        recv = buffers.bytes(recv_id, recv_off, self.size * nbytes)
         try:
             if self._direct:
                 self.pg.all_gather_single(recv, send, self._options(c10d.AllgatherOptions)).wait()
@@ -94,9 +69,9 @@ class ProcessGroupTransport:
         except Exception as exc:  # noqa: BLE001
             raise self._failed("all-gather", exc) from exc
 
-    def reduce_scatter(self, send_id, send_off, recv_id, recv_off, count, dtype_code, op):
-        send = self.buffers.typed(send_id, send_off, self.size * count, dtype_code)
-        recv = self.buffers.typed(recv_id, recv_off, count, dtype_code)
+    def reduce_scatter(self, buffers, send_id, send_off, recv_id, recv_off, count, dtype_code, op):
+        send = buffers.typed(send_id, send_off, self.size * count, dtype_code)
+        recv = buffers.typed(recv_id, recv_off, count, dtype_code)
         native_avg = op == _AVG and self.is_nccl
         reduce = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
         try:
@@ -109,9 +84,8 @@ class ProcessGroupTransport:
         if op == _AVG and not native_avg:  # gloo has no AVG
             recv.div_(self.size)
 
-
-    def all_reduce(self, buf_id, offset, count, dtype_code, op):
-        values = self.buffers.typed(buf_id, offset, count, dtype_code)
+    def all_reduce(self, buffers, buf_id, offset, count, dtype_code, op):
+        values = buffers.typed(buf_id, offset, count, dtype_code)
         native_avg = op == _AVG and self.is_nccl
         reduce = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
         try:
@@ -128,17 +102,14 @@ class ProcessGroupTransport:
 class SelfTransport:
     """A group of one rank: every exchange is a local copy."""
 
-    def __init__(self, buffers: Buffers):
-        self.buffers = buffers
-
-    def all_to_all(self, send_id, send_off, recv_id, recv_off, nbytes):
-        self.buffers.bytes(recv_id, recv_off, nbytes).copy_(self.buffers.bytes(send_id, send_off, nbytes))
+    def all_to_all(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
+        buffers.bytes(recv_id, recv_off, nbytes).copy_(buffers.bytes(send_id, send_off, nbytes))
 
     all_gather = all_to_all
 
-    def all_reduce(self, buf_id, offset, count, dtype_code, op):
+    def all_reduce(self, buffers, buf_id, offset, count, dtype_code, op):
         pass  # one rank: the values are the result
 
-    def reduce_scatter(self, send_id, send_off, recv_id, recv_off, count, dtype_code, op):
-        recv = self.buffers.typed(recv_id, recv_off, count, dtype_code)
-        recv.copy_(self.buffers.typed(send_id, send_off, count, dtype_code))
+    def reduce_scatter(self, buffers, send_id, send_off, recv_id, recv_off, count, dtype_code, op):
+        recv = buffers.typed(recv_id, recv_off, count, dtype_code)
+        recv.copy_(buffers.typed(send_id, send_off, count, dtype_code))

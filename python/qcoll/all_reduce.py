@@ -1,10 +1,10 @@
 """qcoll.quantized_all_reduce: AGoQ's 8-bit all-reduce as qcoll's reduce-scatter, then its
 all-gather of the reduced shards.
 
-The composition lives here, once: both halves are the core's existing collectives
-(collectives.py's _reduce_scatter_core / _allgather_core, the same plans), run one after
-the other inside ONE call of the group (one _run: one sequence number, one Work, one
-worker-thread task on CPU, stream order on GPU), with error feedback between them.
+The composition lives here, once: both halves are the core's collectives (the runtime's
+ReduceScatter and AllGather steps, the same plans), run one after the other inside ONE call
+of the group (one sequence number, one Work, one worker task on CPU, stream order on GPU),
+with error feedback between them. The runtime (qcoll._runtime) runs the call.
 """
 
 from __future__ import annotations
@@ -14,24 +14,14 @@ from typing import Optional
 import torch
 
 from . import _C, auto
-from ._dtypes import dtype_code
-from ._formats import format_of
-from .collectives import (
-    OPS,
-    _allgather_core,
-    _carve,
-    _check_op,
-    _debug_check,
-    _ranks_in,
-    _reduce_scatter_core,
-    _run,
-)
+from ._formats import RAW_CODE
+from ._runtime import args, call
+from ._runtime.steps import AllGather, ReduceScatter, carve, transport_all_reduce
 from .error_feedback import (
     check_error_feedback,
     compensate_first_hop,
-    has_first_encode,
-    inter_residual,
     compensate_shard,
+    inter_residual,
     keep_shard_residual,
 )
 from .group import resolve_group
@@ -43,17 +33,7 @@ _WHAT = "quantized_all_reduce"
 # one exchange; a reduce-scatter (fp32 partial sums across nodes) then an all-gather moved
 # fewer bytes and ran 1.45x torch's bf16 all-reduce (bench/results/sizes-*.json).
 _UPCAST_CHUNK = 1 << 24
-
-
-def _check_tensor(tensor) -> int:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{_WHAT}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{_WHAT}: tensor must be contiguous")
-    if tensor.requires_grad and tensor.is_leaf:
-        raise RuntimeError(f"{_WHAT}: tensor is a leaf tensor that requires grad; the all-reduce "
-                           "writes it in place (pass a tensor without requires_grad, or detach it)")
-    return dtype_code(tensor.dtype, f"{_WHAT}: tensor")
+_F32 = _C.DTYPES["float32"]
 
 
 def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", bits=ALL_REDUCE.bits,
@@ -86,105 +66,102 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
                                error_feedback=error_feedback, async_op=async_op, bits=bits,
                                inter_bits=inter_bits, group_size=group_size,
                                pipeline_stages=pipeline_stages, hierarchical=hierarchical)
-    size = _ranks_in(group)
-    code = _check_tensor(tensor)
-    _check_op(op)
+    size = args.ranks_in(group)
+    code = args.check_in_place(tensor, _WHAT)
+    op_code = args.check_op(op)
     policy = AllReducePolicy(bits, inter_bits, group_size, pipeline_stages, hierarchical)
     rs = policy.reduce_scatter()
     group_size, stages = policy.group_size, policy.pipeline_stages
     check_error_feedback(error_feedback)
     g = resolve_group(group)
-    _debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, rs.intra_code, rs.inter_code,
-                     group_size, stages, hierarchical, error_feedback is not None), tensor.device)
+    call.debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, rs.intra_code, rs.inter_code,
+                         group_size, stages, hierarchical, error_feedback is not None), tensor.device)
 
-    if (bits is None and inter_bits is None and error_feedback is None and tensor.device.type == "cpu"
-            and g.size > 1 and g.communicator(tensor.device).has_all_reduce):
-        return _transport_all_reduce(g, tensor, code, op, async_op)
+    if (rs.unquantized and error_feedback is None and tensor.device.type == "cpu"
+            and call.has_transport_all_reduce(g, tensor.device)):
+        return _transport_all_reduce(g, tensor, code, op_code, async_op)
 
     numel = tensor.numel()
     n = -(-numel // size)  # shard elements; the tensor is padded to size * n
     device = tensor.device
-    rs_plan, reduce_scatter, extra_comms = _reduce_scatter_core(g, n, code, op, rs.intra_bits, rs.inter_bits,
-                                                                group_size, stages, hierarchical, device)
+    reduce_scatter = ReduceScatter(g, n, code, op_code, rs.intra_code, rs.inter_code, group_size, stages,
+                                   hierarchical, device)
+    rs_plan = reduce_scatter.plan
     # The shards cross nodes (if the group spans several) in the format the plan crosses them with.
-    gather_bits = format_of(rs_plan.second_format)
-    ag_plan, all_gather = _allgather_core(g, n, code, gather_bits, group_size, device)
+    gather_format = rs_plan.second_format
+    all_gather = AllGather(g, n, code, gather_format, group_size, device)
 
     ef = residual_in = residual_shard = None
     if error_feedback is not None:
         ef = error_feedback.bind(_WHAT, tensor, size)
-        if has_first_encode(rs_plan):
+        if rs_plan.encodes_input:
             residual_in = ef.residual("input", size * n, device)
-        if gather_bits is not None:
+        if gather_format != RAW_CODE:
             residual_shard = ef.residual("shard", n, device)
-    residual_inter = inter_residual(ef, rs_plan, g.num_nodes, n, device)
+    residual_inter = inter_residual(ef, rs_plan, device)
 
     padded = size * n != numel  # then the reduce-scatter input is a padded copy
-    core_bytes = max(rs_plan.workspace_bytes, ag_plan.workspace_bytes)
+    core_bytes = max(rs_plan.workspace_bytes, all_gather.plan.workspace_bytes)
     workspace_bytes = core_bytes + 32 + (size * n + n) * tensor.element_size()
     flat = tensor.view(-1)
 
-    def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
+    def launch(ctx, workspace):
         full, offset = flat, core_bytes
         if padded:
-            full, offset = _carve(workspace, offset, size * n, tensor.dtype)
+            full, offset = carve(workspace, offset, size * n, tensor.dtype)
             full[:numel].copy_(flat)
             full[numel:].zero_()
-        shard, _ = _carve(workspace, offset, n, tensor.dtype)
+        shard, _ = carve(workspace, offset, n, tensor.dtype)
         parts = (_C.Traffic(), _C.Traffic())
         try:
             if residual_in is not None:
                 compensate_first_hop(full, residual_in, rs_plan, group_size, size, n)
-            g._buffers.set(full, shard, workspace)
-            reduce_scatter(comm, kind, index, stream, workspace, parts[0], sequence, full, shard,
-                           "none", lane_stream, residual_inter)
+            reduce_scatter.run(ctx, full, shard, workspace, parts[0], "none", residual_inter)
             if residual_shard is not None:
                 wanted = compensate_shard(shard, residual_shard)
-            g._buffers.set(shard, full, workspace)
-            all_gather(comm, kind, index, stream, workspace, parts[1], sequence, shard, full, "none")
+            all_gather.run(ctx, shard, full, workspace, parts[1], "none")
             if residual_shard is not None:
                 keep_shard_residual(wanted, full[g.rank * n:(g.rank + 1) * n], residual_shard)
             if padded:
                 flat.copy_(full[:numel])
         finally:
-            _C.add_traffic(traffic, list(parts), "all_reduce")
+            _C.add_traffic(ctx.traffic, list(parts), "all_reduce")
 
-    return _run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op, extra_comms=extra_comms)
+    return call.run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op, comms=reduce_scatter.comms)
 
 
-def _transport_all_reduce(g, tensor: torch.Tensor, code: int, op: str, async_op: bool):
+def _transport_all_reduce(g, tensor: torch.Tensor, code: int, op: int, async_op: bool):
     """The transport's all-reduce in one exchange (after the call check): in place for
     fp32; for bf16/fp16 of fp32 copies in the workspace, _UPCAST_CHUNK elements at a time
     (summed in fp32, rounded once)."""
-    upcast = tensor.dtype != torch.float32
+    upcast = code != _F32
     numel = tensor.numel()
     check_bytes = (g.size + 1) * _C.CALL_HEADER_BYTES
     chunk = min(numel, _UPCAST_CHUNK) if upcast else numel
     workspace_bytes = check_bytes + (16 + 4 * chunk if upcast else 0)
     flat = tensor.view(-1)
-    wire = _C.DTYPES["float32"] if upcast else code
+    wire = _F32 if upcast else code
 
-    def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
+    def launch(ctx, workspace):
         if not upcast or numel <= chunk:
-            parts = [(0, numel, traffic, "all_reduce")]
+            parts = [(0, numel, ctx.traffic, "all_reduce")]
         else:  # parts counted as one call (add_traffic below)
             parts = [(b, min(chunk, numel - b), _C.Traffic(), "none") for b in range(0, numel, chunk)]
         try:
             for begin, count, part, collective in parts:
                 values = flat[begin:begin + count]
                 if upcast:
-                    values, _ = _carve(workspace, check_bytes, count, torch.float32)
+                    values, _ = carve(workspace, check_bytes, count, torch.float32)
                     values.copy_(flat[begin:begin + count])
-                g._buffers.set(values, values, workspace)
-                _C.all_reduce_raw(comm, code, wire, OPS[op], count, values.data_ptr(), workspace.data_ptr(),
-                                  part, sequence, numel if begin == 0 else -1, collective)
+                transport_all_reduce(ctx, code, wire, op, values, workspace, part,
+                                     numel if begin == 0 else -1, collective)
                 if upcast:
                     flat[begin:begin + count].copy_(values)
         finally:
             if len(parts) > 1:
-                _C.add_traffic(traffic, [p[2] for p in parts], "all_reduce")
+                _C.add_traffic(ctx.traffic, [p[2] for p in parts], "all_reduce")
 
-    return _run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op)
+    return call.run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op)
 
 
 __all__ = ["quantized_all_reduce"]

@@ -36,6 +36,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ._runtime import call
 from .cost import cost_model
 from .group import resolve_group
 from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
@@ -82,7 +83,7 @@ def reset_counts() -> None:
 
 # ---- entry points: check, choose, call back with the chosen policy's keywords --------------
 def all_gather(call, output, input, group, policy, *, bits, group_size, async_op):
-    from .collectives import _check_pair, _ranks_in
+    from ._runtime.args import check_pair as _check_pair, ranks_in as _ranks_in
 
     check_policy(policy)
     configured = AllGatherPolicy(bits=bits, group_size=group_size)
@@ -98,7 +99,7 @@ def all_gather(call, output, input, group, policy, *, bits, group_size, async_op
 
 
 def delta_all_gather(call, full, shard, group, policy, *, bits, group_size, async_op):
-    from .collectives import _check_pair, _ranks_in
+    from ._runtime.args import check_pair as _check_pair, ranks_in as _ranks_in
 
     check_policy(policy)
     configured = AllGatherPolicy(bits=bits, group_size=group_size)
@@ -114,7 +115,7 @@ def delta_all_gather(call, full, shard, group, policy, *, bits, group_size, asyn
 
 
 def reduce_scatter(call, output, input, group, policy, *, async_op, error_feedback, op, **fields):
-    from .collectives import _check_op, _check_pair, _ranks_in
+    from ._runtime.args import check_op as _check_op, check_pair as _check_pair, ranks_in as _ranks_in
 
     check_policy(policy)
     configured = ReduceScatterPolicy(**fields)
@@ -135,13 +136,13 @@ def reduce_scatter(call, output, input, group, policy, *, async_op, error_feedba
 
 
 def all_reduce(call, tensor, group, policy, *, op, error_feedback, async_op, **fields):
-    from .all_reduce import _check_tensor
-    from .collectives import _check_op, _ranks_in
+    from ._runtime.args import check_in_place
+    from ._runtime.args import check_op as _check_op, ranks_in as _ranks_in
 
     check_policy(policy)
     configured = AllReducePolicy(**fields)
     _ranks_in(group)
-    _check_tensor(tensor)
+    check_in_place(tensor, "quantized_all_reduce")
     _check_op(op)
     g = resolve_group(group)
     chosen = configured
@@ -211,7 +212,7 @@ def _agree(g, description: tuple, device) -> None:
     that made another call instead (one without policy="auto": every rank raises there)."""
     if g.size == 1:
         return
-    from .collectives import quantized_allgather
+    from .all_gather import quantized_allgather
 
     digest = hashlib.sha256(repr(description).encode()).digest()
     mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
@@ -220,7 +221,7 @@ def _agree(g, description: tuple, device) -> None:
     if all(bytes(every[r * len(digest):(r + 1) * len(digest)].cpu().tolist()) == digest for r in range(g.size)):
         return
     views = [None] * g.size  # every rank is here: name what each one described
-    g._calls.drain()  # as _debug_check: g.pg is never used by two threads at once
+    call.drain(g)
     dist.all_gather_object(views, description, group=g.pg)
     lines = "\n".join(f"  rank {r}: {v}" for r, v in enumerate(views))
     raise ValueError(f"qcoll policy='auto': ranks disagree on the call:\n{lines}")

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from ._runtime import call
 from ._formats import FORMATS, RAW_CODE, format_code, format_of
 from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
 
@@ -353,7 +354,7 @@ def _agree(g, model: CostModel, dev: torch.device) -> CostModel:
             f"world {model.world}, node_size {model.node_size}, {model.device}")
     views = [mine]
     if g.size > 1:
-        g._calls.drain()  # as _debug_check: g.pg is never used by two threads at once
+        call.drain(g)
         views = [None] * g.size
         dist.all_gather_object(views, mine, group=g.pg)
     if not fits or any(v[0] != views[0][0] for v in views):

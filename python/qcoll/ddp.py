@@ -19,6 +19,7 @@ from typing import Optional  # no `from __future__ import annotations`: DDP chec
 import torch
 import torch.distributed as dist
 
+from ._runtime.call import account
 from .all_reduce import quantized_all_reduce
 from .error_feedback import ErrorFeedback
 from .group import Group, resolve_group
@@ -91,7 +92,7 @@ def counted_allreduce_hook(state: QuantizedHookState, bucket: dist.GradBucket
 
     buffer = bucket.buffer()
     shard = -(-buffer.numel() // state.group.size)
-    state.group._torch_comm.account("all_reduce", 2 * shard * buffer.element_size())
+    account(state.group, "all_reduce", 2 * shard * buffer.element_size())
     return allreduce_hook(state.process_group, bucket)
 
 

@@ -20,11 +20,14 @@ import torch
 from . import auto
 from ._dtypes import DTYPE_CODES
 from ._formats import RAW_CODE
-from .collectives import _allgather_core, _check_pair, _debug_check, _ranks_in, _run, quantized_allgather
+from ._runtime import args, call
+from ._runtime.steps import AllGather
+from .all_gather import all_gather_call
 from .group import resolve_group
 from .policy import DELTA_ALL_GATHER, AllGatherPolicy
 
 _F32 = torch.float32
+_WHAT = "delta_allgather"
 _ALIGN = 64  # bytes: each workspace region starts on a cache line (and a float boundary)
 
 
@@ -58,35 +61,32 @@ def delta_allgather(full: torch.Tensor, shard: torch.Tensor, group=None, *,
     if policy is not None:
         return auto.delta_all_gather(delta_allgather, full, shard, group, policy, bits=bits,
                                      group_size=group_size, async_op=async_op)
-    size = _ranks_in(group)
+    size = args.ranks_in(group)
     n = shard.numel() if isinstance(shard, torch.Tensor) else 0
     policy = AllGatherPolicy(bits=bits, group_size=group_size)
-    wire_bits, group_size = policy.code, policy.group_size
-    _check_pair(full, shard, size * n, n, "delta_allgather", names=("full", "shard"))
+    code = args.check_pair(full, shard, size * n, n, _WHAT, names=("full", "shard"))
     if n and _overlaps(full, shard):
         raise ValueError("delta_allgather: shard must not share memory with full (full holds the "
                          "previous value the difference is taken from)")
-    if wire_bits == RAW_CODE:
-        return quantized_allgather(full, shard, group, bits=None, async_op=async_op)
     g = resolve_group(group)
-    _debug_check(g, ("delta_allgather", n, full.numel(), str(full.dtype), str(shard.dtype), wire_bits,
-                     group_size), full.device)
-    plan, all_gather = _allgather_core(g, n, DTYPE_CODES[_F32], bits, group_size, full.device)
+    if policy.code == RAW_CODE:
+        return all_gather_call(_WHAT, full, shard, g, policy, code, async_op)
+    call.debug_check(g, (_WHAT, n, full.numel(), str(full.dtype), str(shard.dtype), policy.code,
+                         policy.group_size), full.device)
+    step = AllGather(g, n, DTYPE_CODES[_F32], policy.code, policy.group_size, full.device)
     # Workspace: [the all-gather's own | this rank's fp32 difference | every rank's, decoded].
-    diff_at = _round_up(plan.workspace_bytes, _ALIGN)
+    scratch_bytes = step.plan.workspace_bytes
+    diff_at = _round_up(scratch_bytes, _ALIGN)
     gathered_at = diff_at + _round_up(4 * n, _ALIGN)
     workspace_bytes = gathered_at + 4 * size * n
     mine = full[g.rank * n:(g.rank + 1) * n]
 
-    def launch(comm, kind, index, stream, workspace, traffic, sequence, lane_stream):
+    def launch(ctx, workspace):
         diff = workspace[diff_at:diff_at + 4 * n].view(_F32)
         gathered = workspace[gathered_at:gathered_at + 4 * size * n].view(_F32)
-        scratch = workspace[:plan.workspace_bytes]
         diff.copy_(shard)
         diff.sub_(mine)  # fp32: both operands are exact in fp32
-        # The core's all-gather addresses these as its input/output/workspace (buffer ids).
-        g._buffers.set(diff, gathered, scratch)
-        all_gather(comm, kind, index, stream, scratch, traffic, sequence, diff, gathered)
+        step.run(ctx, diff, gathered, workspace[:scratch_bytes])
         full.add_(gathered.view(full.shape))  # in fp32 (type promotion), rounded once to full's dtype
 
-    return _run("delta_allgather", g, shard, full, workspace_bytes, launch, async_op)
+    return call.run(_WHAT, g, shard, full, workspace_bytes, launch, async_op)

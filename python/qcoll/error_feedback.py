@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from ._formats import RAW_CODE, format_of
+from ._formats import format_of
 
 
 class ErrorFeedback:
@@ -91,25 +91,13 @@ class ErrorFeedback:
         return f"ErrorFeedback({bound}, {self.nbytes} bytes)"
 
 
-def has_first_encode(plan) -> bool:
-    """Whether a reduce-scatter plan's first hop (the one the "input" residual
-    compensates) is quantized."""
-    return plan.first_format != RAW_CODE
-
-
-def has_inter_encode(plan) -> bool:
-    """Whether a reduce-scatter plan re-encodes partial sums across nodes (two hops, the
-    second quantized): the encode the "inter" residual compensates."""
-    return bool(plan.two_hop) and plan.second_format != RAW_CODE
-
-
-def inter_residual(ef: Optional[ErrorFeedback], plan, num_nodes: int, n: int,
-                   device: torch.device) -> Optional[torch.Tensor]:
-    """The "inter" residual of a reduce-scatter plan with n output elements per rank (rows of
-    n, one per node: include/qcoll/collectives.h), or None without ef or that encode."""
-    if ef is None or not has_inter_encode(plan):
+def inter_residual(ef: Optional[ErrorFeedback], plan, device: torch.device) -> Optional[torch.Tensor]:
+    """The "inter" residual of a reduce-scatter plan (rows of plan.n, one per node:
+    include/qcoll/collectives.h), or None without ef or without that encode (the plan says
+    whether it re-encodes partial sums)."""
+    if ef is None or not plan.reencodes_partial_sums:
         return None
-    return ef.residual("inter", num_nodes * n, device)
+    return ef.residual("inter", plan.nodes * plan.n, device)
 
 
 def _describe(binding: tuple) -> str:

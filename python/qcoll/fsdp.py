@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 
 from ._dtypes import DTYPE_CODES
+from ._runtime.call import account
 from .all_reduce import quantized_all_reduce
-from .collectives import quantized_allgather, quantized_reduce_scatter
+from .all_gather import quantized_allgather
+from .reduce_scatter import quantized_reduce_scatter
 from .error_feedback import ErrorFeedback
 from .group import Group, resolve_group
 from .policy import (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, AllGatherPolicy, AllReducePolicy,
@@ -176,13 +178,6 @@ def _reduce_op(op, ranks: int):
     raise ValueError(f"op must be ReduceOp.AVG, SUM or PREMUL_SUM for a gradient reduce-scatter, got {op!r}")
 
 
-def _grad_policy(intra_bits, inter_bits, pipeline_stages, group_size=None) -> ReduceScatterPolicy:
-    """The loose keywords' policy: both bits None is the transport's own reduce-scatter."""
-    baseline = intra_bits is None and inter_bits is None
-    return ReduceScatterPolicy(intra_bits, inter_bits, group_size, pipeline_stages,
-                               hierarchical=False if baseline else None)
-
-
 class QuantizedReduceScatter(_Allocating, ReduceScatter):
     """FSDP2 gradient reduce-scatter through qcoll.quantized_reduce_scatter (qgZ).
 
@@ -197,7 +192,7 @@ class QuantizedReduceScatter(_Allocating, ReduceScatter):
                  pipeline_stages: int = REDUCE_SCATTER.pipeline_stages, group_size: Optional[int] = None,
                  node_size: Optional[int] = None, *, policy: Optional[ReduceScatterPolicy] = None):
         _require_api()
-        loose = _grad_policy(intra_bits, inter_bits, pipeline_stages, group_size)
+        loose = ReduceScatterPolicy.gradients(intra_bits, inter_bits, group_size, pipeline_stages)
         self.policy = take_policy(policy, loose, REDUCE_SCATTER)
         self.node_size = _check_node_size(node_size)
 
@@ -311,7 +306,7 @@ def use_qcoll(module: torch.nn.Module, *, weight_bits=ALL_GATHER.bits,
     `module`."""
     all_gather = QuantizedAllGather(node_size=node_size, policy=take_policy(
         weight_policy, AllGatherPolicy(weight_bits), ALL_GATHER, "weight_policy", "weight_"))
-    loose = _grad_policy(grad_intra_bits, grad_inter_bits, grad_pipeline_stages)
+    loose = ReduceScatterPolicy.gradients(grad_intra_bits, grad_inter_bits, pipeline_stages=grad_pipeline_stages)
     reduce_scatter = QuantizedReduceScatter(node_size=node_size, policy=take_policy(
         grad_policy, loose, REDUCE_SCATTER, "grad_policy", "grad_"))
     hook_args = None
@@ -349,7 +344,7 @@ class _Counted:
         return self._default.allocate(size, dtype=dtype, device=device)
 
     def _account(self, group, bytes_per_peer: int) -> None:
-        qcoll_group(group, self.node_size)._torch_comm.account(self.collective, bytes_per_peer)
+        account(qcoll_group(group, self.node_size), self.collective, bytes_per_peer)
 
 
 class CountedAllGather(_Counted, AllGather):

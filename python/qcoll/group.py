@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from ._calls import CallQueue
 from ._process_groups import destroy_remaining, new_process_group
-from ._streams import CudaCalls
-from ._torch_transport import Buffers, ProcessGroupTransport, SelfTransport
+from ._runtime.streams import CudaCalls
+from ._runtime.worker import CallQueue
+from ._torch_transport import ProcessGroupTransport, SelfTransport
 
 BACKENDS = ("nccl", "torch")
 _live_groups: "weakref.WeakSet[Group]" = weakref.WeakSet()  # for qcoll.destroy()
@@ -53,25 +53,24 @@ class Group:
         self.num_nodes = self.size // node_size
         self.node = self.rank // node_size
         self.local_rank = self.rank % node_size
-        # Sub-groups share their parent's buffer registry (one call's buffers serve every
-        # hop), worker thread (CPU calls of the family run in issue order, one at a time)
-        # and CUDA streams (GPU calls likewise, on the family's communication stream).
+        # Sub-groups share their parent's worker (CPU calls of the family run in issue order,
+        # one at a time) and CUDA streams (GPU calls likewise, on the family's communication
+        # stream). Only the call runtime (qcoll._runtime) uses them.
         if _family is None:  # kernels use at most this rank's share of its host's cores
             share = len(os.sched_getaffinity(0)) // max(1, _host_ranks)
-            _family = (Buffers(), CallQueue(f"qcoll-group-{self.global_ranks}", share), CudaCalls())
-        self._buffers, self._calls, self._cuda = _family
+            _family = (CallQueue(f"qcoll-group-{self.global_ranks}", share), CudaCalls())
+        self._calls, self._cuda = _family
         # The ProcessGroup qcoll communicates over: its own, never the caller's.
         if self.size > 1 and _owned_pg is None:
             _owned_pg = _partition_groups([self.global_ranks], timeout)[0]
         self._owned_pg = _owned_pg
         self._role = _role
         label = f"the {_role} (global ranks {self.global_ranks})"
-        transport = (SelfTransport(self._buffers) if self.size == 1
-                     else ProcessGroupTransport(_owned_pg, self._buffers, label))
+        transport = SelfTransport() if self.size == 1 else ProcessGroupTransport(_owned_pg, label)
         local = [p // node_size == self.node for p in range(self.size)]
         self._torch_comm = _C.TorchCommunicator(self.rank, self.size, local, transport)
         self._nccl_comm = None
-        self._cpu_workspace = None  # grow-only scratch of the collectives (collectives._workspace)
+        self._cpu_workspace = None  # grow-only scratch of its CPU calls (_runtime/call.py)
         self._sequence = itertools.count()  # call numbers, stamped into the wire headers
         self._sequence_lock = threading.Lock()
         self._intra: Optional[Group] = None
@@ -112,7 +111,7 @@ class Group:
         columns = [self.global_ranks[j::n] for j in range(n)]
         intra = _partition_groups(nodes, self.timeout)[self.node]
         inter = _partition_groups(columns, self.timeout)[self.local_rank]
-        family = (self._buffers, self._calls, self._cuda)
+        family = (self._calls, self._cuda)
         if self._intra is None and self.num_nodes > 1:
             self._intra = _subgroup(intra, nodes[self.node], n, self.backend, self.timeout,
                                     family, "intra-node group")
@@ -152,7 +151,7 @@ class Group:
 
     # ---- transports --------------------------------------------------------------------
     def communicator(self, device: torch.device):
-        """The C++ communicator for a call on `device`, and the buffer registry it reads."""
+        """The C++ communicator for a call on `device`."""
         if self._closed:
             raise RuntimeError(f"{self!r} was closed: create a new group")
         if self._use_nccl(device):

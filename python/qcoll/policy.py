@@ -110,6 +110,15 @@ class ReduceScatterPolicy(_Policy):
         """Unquantized in one hop: the transport's own reduce-scatter (the baseline)."""
         return cls(intra_bits=None, inter_bits=None, pipeline_stages=1, hierarchical=False)
 
+    @classmethod
+    def gradients(cls, intra_bits: Bits = 8, inter_bits: Bits = 4, group_size: Optional[int] = None,
+                  pipeline_stages: Optional[int] = 2, hadamard: bool = False) -> "ReduceScatterPolicy":
+        """A plug-in's gradient reduce-scatter (FSDP2's, the ZeRO engine's) from its switches:
+        both bits None is the baseline it replaces, the transport's own (transport())."""
+        if intra_bits is None and inter_bits is None and not hadamard:
+            return cls.transport()
+        return cls(intra_bits, inter_bits, group_size, pipeline_stages, hadamard=hadamard)
+
     @property
     def intra_code(self) -> int:
         return format_code(self.intra_bits, "intra_bits")

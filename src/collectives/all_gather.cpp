@@ -14,7 +14,7 @@ void all_gather(const AllGatherPlan& plan, const CollectiveBuffers& b, DType dty
   traffic.calls += 1;
   if (plan.call_check) {
     CallHeader call;
-    call.kind = 1;
+    call.kind = static_cast<uint8_t>(CallKind::kAllGather);
     call.dtype = static_cast<uint8_t>(dtype);
     call.first_format = static_cast<uint8_t>(plan.fmt.format);
     call.group_size = plan.fmt.quantized() ? static_cast<uint32_t>(plan.fmt.group_size) : 0;

@@ -13,7 +13,7 @@ void all_reduce_raw(int64_t count, const CollectiveBuffers& b, DType dtype, DTyp
   traffic.calls += 1;
   if (call_numel >= 0) {
     CallHeader call;
-    call.kind = 3;
+    call.kind = static_cast<uint8_t>(CallKind::kAllReduce);
     call.dtype = static_cast<uint8_t>(dtype);
     call.first_format = static_cast<uint8_t>(CodeFormat::kRaw);
     call.second_format = static_cast<uint8_t>(wire);

@@ -171,7 +171,7 @@ void reduce_scatter(const ReduceScatterPlan& p, const CollectiveBuffers& b, DTyp
   traffic.calls += 1;
   if (p.call_check) {
     CallHeader call;
-    call.kind = 2;
+    call.kind = static_cast<uint8_t>(CallKind::kReduceScatter);
     call.dtype = static_cast<uint8_t>(dtype);
     call.first_format = static_cast<uint8_t>(p.first.format);
     call.second_format = static_cast<uint8_t>(p.two_hop ? p.second.format : CodeFormat::kRaw);
@@ -179,7 +179,7 @@ void reduce_scatter(const ReduceScatterPlan& p, const CollectiveBuffers& b, DTyp
     call.two_hop = p.two_hop;
     call.stages = static_cast<uint8_t>(p.stages < 255 ? p.stages : 255);
     call.hadamard = hadamard_log2(p.first.hadamard_size | p.second.hadamard_size);
-    call.group_size = p.first.quantized() || (p.two_hop && p.second.quantized())
+    call.group_size = p.encodes_input() || p.reencodes_partial_sums()
                           ? static_cast<uint32_t>(p.first.group_size) : 0;
     call.sequence = sequence;
     call.n = p.n;

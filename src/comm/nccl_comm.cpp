@@ -7,7 +7,7 @@
 #include <sstream>
 #include <utility>
 
-#include "cuda/cuda_check.h"
+#include "cuda/device_guard.h"
 
 namespace qcoll {
 

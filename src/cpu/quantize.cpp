@@ -1,7 +1,7 @@
-// CPU block quantize / dequantize. Each group is processed in chunks of kChunk elements
+// CPU block quantize / dequantize. Each group is processed in pieces of kGroupPiece elements
 // (converted to fp32 in a stack buffer unless already fp32) by the group encoder of
 // quant_loops.h: pass 1 gathers the group's statistics, pass 2 codes it (from the same
-// chunk, still in L1, for groups of up to kChunk elements). Groups are independent, so
+// piece, still in L1, for groups of up to kGroupPiece elements). Groups are independent, so
 // OpenMP gives each thread one contiguous range of groups; each range runs the ISA variant
 // of its driver (cpu/isa.h), specialised once per call on dtype, format and symmetry.
 #include <algorithm>
@@ -17,8 +17,10 @@ namespace qcoll {
 namespace cpu {
 namespace {
 
-constexpr int64_t kChunk = 1024;  // multiple of 8, so int4 chunks start on whole bytes
-static_assert(kChunk % kMaxHadamardSize == 0, "chunks hold whole Hadamard blocks");
+// A piece of a group converted at once (not a wire chunk): multiple of 8, so int4 pieces
+// start on whole bytes.
+constexpr int64_t kGroupPiece = 1024;
+static_assert(kGroupPiece % kMaxHadamardSize == 0, "pieces hold whole Hadamard blocks");
 
 template <DType kT, CodeFormat kF, bool kSym>
 QCOLL_INLINE void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key, float* buf) {
@@ -29,7 +31,7 @@ QCOLL_INLINE void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key,
   const char* src = static_cast<const char*>(a.input) + begin * esize;
 
   // The values of elements [c, c + m) of the group: Hadamard-transformed in buf when asked
-  // (chunks start on block boundaries: kChunk is a multiple of kMaxHadamardSize).
+  // (pieces start on block boundaries: kGroupPiece is a multiple of kMaxHadamardSize).
   const int hadamard = spec.hadamard_size;
   const auto values = [&](int64_t c, int64_t m) QCOLL_LAMBDA {
     const float* x = as_float(src + c * esize, kT, m, buf);
@@ -37,7 +39,7 @@ QCOLL_INLINE void quantize_group(const QuantizeArgs& a, int64_t g, uint64_t key,
   };
   const bool stochastic = spec.rounding == Rounding::kStochastic;
   const math::GroupParams p = encode_group<kF, kSym>(
-      len, kChunk, values,
+      len, kGroupPiece, values,
       [&](const float* x, int64_t c, int64_t m,
           const math::GroupParams& q) QCOLL_LAMBDA {
         code_piece<kF, kSym>(x, m, q, stochastic, key,
@@ -56,8 +58,8 @@ QCOLL_INLINE void dequantize_group(const DequantizeArgs& a, int64_t g, bool sym,
   const math::GroupParams p{a.scales[g], sym ? 0.0f : a.offsets[g]};
   char* dst = static_cast<char*>(a.output) + begin * esize;
 
-  for (int64_t c = 0; c < len; c += kChunk) {
-    const int64_t m = std::min(kChunk, len - c);
+  for (int64_t c = 0; c < len; c += kGroupPiece) {
+    const int64_t m = std::min(kGroupPiece, len - c);
     const uint8_t* in = a.codes + code_bytes(begin + c, kF);
     if constexpr (kT == DType::kFloat32) {
       float* out = reinterpret_cast<float*>(dst + c * esize);
@@ -77,7 +79,7 @@ QCOLL_INLINE void dequantize_group(const DequantizeArgs& a, int64_t g, bool sym,
 }
 
 QCOLL_INLINE void quantize_range(const QuantizeArgs& a, int64_t g0, int64_t g1, uint64_t key) {
-  alignas(64) float buf[kChunk];
+  alignas(64) float buf[kGroupPiece];
   with_float_dtype(a.dtype, [&](auto t) QCOLL_LAMBDA {
     with_format(a.spec.format, [&](auto f) QCOLL_LAMBDA {
       constexpr DType kT = decltype(t)::value;
@@ -92,7 +94,7 @@ QCOLL_INLINE void quantize_range(const QuantizeArgs& a, int64_t g0, int64_t g1, 
 }
 
 QCOLL_INLINE void dequantize_range(const DequantizeArgs& a, int64_t g0, int64_t g1) {
-  alignas(64) float buf[kChunk];
+  alignas(64) float buf[kGroupPiece];
   with_float_dtype(a.dtype, [&](auto t) QCOLL_LAMBDA {
     with_format(a.format, [&](auto f) QCOLL_LAMBDA {
       for (int64_t g = g0; g < g1; ++g)

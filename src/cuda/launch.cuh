@@ -5,7 +5,7 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/cuda_check.h"
+#include "cuda/device_guard.h"
 
 namespace qcoll {
 namespace cuda {

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "cuda/cuda_check.h"
+#include "cuda/device_guard.h"
 #include "cuda/cuda_kernels.h"
 #include "cuda/elementwise_kernel.cuh"
 #include "cuda/quant_team.cuh"

@@ -4,7 +4,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "cuda/cuda_check.h"
+#include "cuda/device_guard.h"
 #include "qcoll/lanes.h"
 
 namespace qcoll {

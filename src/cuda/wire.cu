@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/cuda_check.h"
+#include "cuda/device_guard.h"
 #include "cuda/cuda_kernels.h"
 #include "cuda/elementwise_kernel.cuh"
 #include "cuda/launch.cuh"

@@ -22,7 +22,7 @@
 #include "torch_comm.h"
 #if defined(QCOLL_WITH_CUDA)
 #include "comm/nccl_comm.h"
-#include "cuda/cuda_check.h"
+#include "cuda/device_guard.h"
 #endif
 
 namespace py = pybind11;
@@ -32,13 +32,17 @@ namespace {
 using qcoll::binding::device;
 using qcoll::binding::ptr;
 
-// Buffers of one collective call, in the order the Python transport numbers them.
-qcoll::CollectiveBuffers collective_buffers(uintptr_t input, uintptr_t output, uintptr_t workspace) {
-  qcoll::CollectiveBuffers b;
-  b.input = qcoll::BufferRef{ptr(input), 0, 0};
-  b.output = qcoll::BufferRef{ptr(output), 1, 0};
-  b.workspace = qcoll::BufferRef{ptr(workspace), 2, 0};
-  return b;
+// The buffers of one exchange of a call: `buffers` is the call's own buffers object
+// (python/qcoll/_runtime/buffers.py), whose `pointers` are indexed by BufferId. The core
+// hands it back to the torch transport with every exchange (BufferRef::table); the caller
+// keeps it alive for the call. Read with the GIL held.
+qcoll::CollectiveBuffers collective_buffers(py::handle buffers) {
+  const auto pointers = buffers.attr("pointers").cast<std::vector<uintptr_t>>();
+  QCOLL_ARG_CHECK(pointers.size() == qcoll::kBufferCount, "buffers.pointers must hold ",
+                  qcoll::kBufferCount, " pointers (ids _C.BUFFERS), got ", pointers.size());
+  auto at = [&](qcoll::BufferId id) { return ptr(pointers[static_cast<size_t>(id)]); };
+  return qcoll::CollectiveBuffers::of(at(qcoll::BufferId::kInput), at(qcoll::BufferId::kOutput),
+                                      at(qcoll::BufferId::kWorkspace), buffers.ptr());
 }
 
 py::dict traffic_dict(const qcoll::Traffic& t) {
@@ -107,7 +111,7 @@ void bind_collectives(py::module_& m) {
       .def("destroy", &qcoll::NcclCommunicator::destroy, py::call_guard<py::gil_scoped_release>())
       .def("abort", &qcoll::NcclCommunicator::abort, py::call_guard<py::gil_scoped_release>());
   // The id of the CUDA graph capture `stream` is part of, 0 when it is not capturing: each
-  // capture owns its workspace (python/qcoll/_streams.py).
+  // capture owns its workspace (python/qcoll/_runtime/streams.py).
   m.def("cuda_capture_id", [](uintptr_t stream) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
     unsigned long long id = 0;
@@ -120,12 +124,16 @@ void bind_collectives(py::module_& m) {
 
   py::class_<qcoll::ReduceScatterPlan>(m, "ReduceScatterPlan")
       .def_readonly("two_hop", &qcoll::ReduceScatterPlan::two_hop)
+      .def_readonly("nodes", &qcoll::ReduceScatterPlan::nodes)
+      .def_readonly("n", &qcoll::ReduceScatterPlan::n)
       .def_readonly("stages", &qcoll::ReduceScatterPlan::stages)
       .def_readonly("requested_stages", &qcoll::ReduceScatterPlan::requested_stages)
       .def_readonly("header", &qcoll::ReduceScatterPlan::header)
       .def_readonly("slice", &qcoll::ReduceScatterPlan::slice)
       .def_property_readonly("first_format", [](const qcoll::ReduceScatterPlan& p) { return static_cast<int>(p.first.format); })
       .def_property_readonly("second_format", [](const qcoll::ReduceScatterPlan& p) { return static_cast<int>(p.second.format); })
+      .def_property_readonly("encodes_input", &qcoll::ReduceScatterPlan::encodes_input)
+      .def_property_readonly("reencodes_partial_sums", &qcoll::ReduceScatterPlan::reencodes_partial_sums)
       .def("first_chunk", &qcoll::ReduceScatterPlan::first_chunk)
       .def("second_chunk", &qcoll::ReduceScatterPlan::second_chunk)
       .def("slice_len", &qcoll::ReduceScatterPlan::slice_len)
@@ -176,55 +184,61 @@ void bind_collectives(py::module_& m) {
     if (qcoll::Traffic* total = counter(collective)) total->add(call);
   }, py::arg("call"), py::arg("parts"), py::arg("collective"));
 
+  // The collectives run with the GIL released (a torch transport's exchanges take it back).
   m.def(
       "all_gather",
-      [](const qcoll::AllGatherPlan& plan, Communicator& comm, int dtype, uintptr_t input,
-         uintptr_t output, uintptr_t workspace, int device_kind, int device_index,
-         uintptr_t stream, qcoll::Traffic& traffic, uint32_t sequence, const std::string& collective) {
-        Counted counted{traffic, counter(collective)};
-        qcoll::all_gather(plan, collective_buffers(input, output, workspace),
-                          static_cast<qcoll::DType>(dtype), comm,
+      [](const qcoll::AllGatherPlan& plan, Communicator& comm, int dtype, py::object buffers,
+         int device_kind, int device_index, uintptr_t stream, qcoll::Traffic& traffic,
+         uint32_t sequence, const std::string& collective) {
+        const qcoll::CollectiveBuffers b = collective_buffers(buffers);
+        qcoll::Traffic* total = counter(collective);
+        py::gil_scoped_release release;
+        Counted counted{traffic, total};
+        qcoll::all_gather(plan, b, static_cast<qcoll::DType>(dtype), comm,
                           device(device_kind, device_index, stream), traffic, sequence);
       },
-      py::call_guard<py::gil_scoped_release>(), py::arg("plan"), py::arg("comm"),
-      py::arg("dtype"), py::arg("input"), py::arg("output"), py::arg("workspace"),
+      py::arg("plan"), py::arg("comm"), py::arg("dtype"), py::arg("buffers"),
       py::arg("device_kind"), py::arg("device_index"), py::arg("stream"), py::arg("traffic"),
       py::arg("sequence"), py::arg("collective") = "allgather");
   m.def(
       "reduce_scatter",
       [](const qcoll::ReduceScatterPlan& plan, Communicator& world, Communicator* intra,
-         Communicator* inter, int dtype, int op, uintptr_t input, uintptr_t output,
-         uintptr_t workspace, int device_kind, int device_index, uintptr_t stream,
-         qcoll::Traffic& traffic, uint32_t sequence, uintptr_t lane_stream,
-         const std::string& collective, uintptr_t inter_residual) {
-        Counted counted{traffic, counter(collective)};
+         Communicator* inter, int dtype, int op, py::object buffers, int device_kind,
+         int device_index, uintptr_t stream, qcoll::Traffic& traffic, uint32_t sequence,
+         uintptr_t lane_stream, const std::string& collective, uintptr_t inter_residual) {
+        qcoll::CollectiveBuffers b = collective_buffers(buffers);
+        b.inter_residual = static_cast<float*>(ptr(inter_residual));
+        qcoll::Traffic* total = counter(collective);
+        py::gil_scoped_release release;
+        Counted counted{traffic, total};
         qcoll::Device dev = device(device_kind, device_index, stream);
         dev.lane_stream = ptr(lane_stream);  // the group's second stream (pipelined 2-hop)
-        qcoll::CollectiveBuffers buffers = collective_buffers(input, output, workspace);
-        buffers.inter_residual = static_cast<float*>(ptr(inter_residual));
-        qcoll::reduce_scatter(plan, buffers,
-                              static_cast<qcoll::DType>(dtype), static_cast<qcoll::ReduceOp>(op),
-                              world, intra, inter, dev, traffic, sequence);
+        qcoll::reduce_scatter(plan, b, static_cast<qcoll::DType>(dtype),
+                              static_cast<qcoll::ReduceOp>(op), world, intra, inter, dev, traffic,
+                              sequence);
       },
-      py::call_guard<py::gil_scoped_release>(), py::arg("plan"), py::arg("world"),
+      py::arg("plan"), py::arg("world"),
       py::arg("intra").none(true), py::arg("inter").none(true), py::arg("dtype"), py::arg("op"),
-      py::arg("input"), py::arg("output"), py::arg("workspace"), py::arg("device_kind"),
+      py::arg("buffers"), py::arg("device_kind"),
       py::arg("device_index"), py::arg("stream"), py::arg("traffic"), py::arg("sequence"),
       py::arg("lane_stream") = 0, py::arg("collective") = "reduce_scatter",
       py::arg("inter_residual") = 0);
   m.def(
       "all_reduce_raw",
-      [](Communicator& comm, int dtype, int wire, int op, int64_t count, uintptr_t values,
-         uintptr_t workspace, qcoll::Traffic& traffic, uint32_t sequence, int64_t call_numel,
+      // buffers: the values (reduced in place) as the output, the workspace as the workspace.
+      [](Communicator& comm, int dtype, int wire, int op, int64_t count, py::object buffers,
+         qcoll::Traffic& traffic, uint32_t sequence, int64_t call_numel,
          const std::string& collective) {
-        Counted counted{traffic, counter(collective)};
-        qcoll::all_reduce_raw(count, collective_buffers(values, values, workspace),
-                              static_cast<qcoll::DType>(dtype), static_cast<qcoll::DType>(wire),
-                              static_cast<qcoll::ReduceOp>(op),
+        const qcoll::CollectiveBuffers b = collective_buffers(buffers);
+        qcoll::Traffic* total = counter(collective);
+        py::gil_scoped_release release;
+        Counted counted{traffic, total};
+        qcoll::all_reduce_raw(count, b, static_cast<qcoll::DType>(dtype),
+                              static_cast<qcoll::DType>(wire), static_cast<qcoll::ReduceOp>(op),
                               comm, device(0, 0, 0), traffic, sequence, call_numel);
       },
-      py::call_guard<py::gil_scoped_release>(), py::arg("comm"), py::arg("dtype"), py::arg("wire"),
-      py::arg("op"), py::arg("count"), py::arg("values"), py::arg("workspace"), py::arg("traffic"),
+      py::arg("comm"), py::arg("dtype"), py::arg("wire"),
+      py::arg("op"), py::arg("count"), py::arg("buffers"), py::arg("traffic"),
       py::arg("sequence"), py::arg("call_numel"), py::arg("collective") = "all_reduce");
   m.def("stats", []() {
     py::dict d;
@@ -268,6 +282,20 @@ py::dict format_table() {
     info["asymmetric"] = !qcoll::format_is_float(f);
     d[qcoll::format_name(f)] = info;
   }
+  return d;
+}
+
+py::dict buffer_table() {
+  py::dict d;
+  for (auto id : {qcoll::BufferId::kInput, qcoll::BufferId::kOutput, qcoll::BufferId::kWorkspace})
+    d[qcoll::buffer_name(id)] = static_cast<int>(id);
+  return d;
+}
+
+py::dict call_kind_table() {
+  py::dict d;
+  for (auto k : {qcoll::CallKind::kAllGather, qcoll::CallKind::kReduceScatter, qcoll::CallKind::kAllReduce})
+    d[qcoll::call_kind_name(k)] = static_cast<int>(k);
   return d;
 }
 
@@ -332,4 +360,6 @@ PYBIND11_MODULE(_C, m) {
   m.attr("FORMATS") = format_table();
   m.attr("RAW_FORMAT") = static_cast<int>(qcoll::CodeFormat::kRaw);
   m.attr("ROUNDINGS") = rounding_table();
+  m.attr("BUFFERS") = buffer_table();
+  m.attr("CALL_KINDS") = call_kind_table();
 }

@@ -1,7 +1,7 @@
 // The Communicator backed by a torch.distributed ProcessGroup: each exchange calls back
-// into a Python transport object (python/qcoll/_torch_transport.py), which addresses the
-// caller's tensors by (buffer id, byte offset). The collective runs with the GIL
-// released; each callback takes it.
+// into a Python transport object (python/qcoll/_torch_transport.py), handing it the call's
+// own buffers object (BufferRef::table) and (buffer id, byte offset) pairs into it. The
+// collective runs with the GIL released; each callback takes it.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "qcoll/comm.h"
+#include "qcoll/error.h"
 
 namespace qcoll {
 
@@ -28,20 +29,22 @@ class TorchCommunicator : public Communicator {
   void do_all_to_all(BufferRef send, BufferRef recv, int64_t bytes_per_peer,
                      const Device&) override {
     pybind11::gil_scoped_acquire gil;
-    transport_.attr("all_to_all")(send.buffer, send.offset, recv.buffer, recv.offset,
-                                  bytes_per_peer);
+    transport_.attr("all_to_all")(table(send, recv), send.buffer, send.offset, recv.buffer,
+                                  recv.offset, bytes_per_peer);
   }
 
   void do_all_gather(BufferRef send, BufferRef recv, int64_t bytes, const Device&) override {
     pybind11::gil_scoped_acquire gil;
-    transport_.attr("all_gather")(send.buffer, send.offset, recv.buffer, recv.offset, bytes);
+    transport_.attr("all_gather")(table(send, recv), send.buffer, send.offset, recv.buffer,
+                                  recv.offset, bytes);
   }
 
   void do_reduce_scatter(BufferRef send, BufferRef recv, int64_t count, DType dtype, ReduceOp op,
                          const Device&) override {
     pybind11::gil_scoped_acquire gil;
-    transport_.attr("reduce_scatter")(send.buffer, send.offset, recv.buffer, recv.offset, count,
-                                      static_cast<int>(dtype), static_cast<int>(op));
+    transport_.attr("reduce_scatter")(table(send, recv), send.buffer, send.offset, recv.buffer,
+                                      recv.offset, count, static_cast<int>(dtype),
+                                      static_cast<int>(op));
   }
 
   bool has_all_reduce() const override { return true; }
@@ -49,11 +52,18 @@ class TorchCommunicator : public Communicator {
   void do_all_reduce(BufferRef buf, int64_t count, DType dtype, ReduceOp op,
                      const Device&) override {
     pybind11::gil_scoped_acquire gil;
-    transport_.attr("all_reduce")(buf.buffer, buf.offset, count, static_cast<int>(dtype),
-                                  static_cast<int>(op));
+    transport_.attr("all_reduce")(table(buf, buf), buf.buffer, buf.offset, count,
+                                  static_cast<int>(dtype), static_cast<int>(op));
   }
 
  private:
+  // The call's buffers object both refs index (the caller holds it for the call).
+  static pybind11::handle table(const BufferRef& a, const BufferRef& b) {
+    QCOLL_CHECK(a.table != nullptr && a.table == b.table,
+                "a torch transport exchange needs both buffers in the call's buffers object");
+    return pybind11::handle(static_cast<PyObject*>(const_cast<void*>(a.table)));
+  }
+
   pybind11::object transport_;
 };
 

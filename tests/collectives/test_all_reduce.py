@@ -69,7 +69,7 @@ def _transport_all_reduce(inputs, rank, op):
 
 
 def _all_reduce_worker(rank, world, node_size, cases):
-    qcoll.collectives._MIN_STAGE_BYTES = 0  # every requested stage runs, as simulated
+    qcoll._runtime.steps.MIN_STAGE_BYTES = 0  # every requested stage runs, as simulated
     g = qcoll.new_group(node_size=node_size)
     results = []
     for case in cases:
@@ -170,7 +170,7 @@ def _ef_worker(rank, world, node_size, collective, kw, steps, numel):
     """With error feedback the residuals telescope: over T calls,
     sum_t out_t = sum_t exact_t - (what the last residuals still hold), up to fp32
     rounding. This holds only if the kept residual is exactly what each encode lost."""
-    qcoll.collectives._MIN_STAGE_BYTES = 0
+    qcoll._runtime.steps.MIN_STAGE_BYTES = 0
     g = qcoll.new_group(node_size=node_size)
     ef = qcoll.ErrorFeedback()
     total_out = torch.zeros(numel if collective == "all_reduce" else numel // world,

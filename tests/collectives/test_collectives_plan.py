@@ -149,14 +149,14 @@ def _recording_worker(rank, world, node_size, n, stages, hierarchical):
     log = []
     original = _torch_transport.ProcessGroupTransport.all_to_all
 
-    def recording(self, send_id, send_off, recv_id, recv_off, nbytes):
-        send = self.buffers.bytes(send_id, send_off, self.size * nbytes).clone()
-        original(self, send_id, send_off, recv_id, recv_off, nbytes)
-        recv = self.buffers.bytes(recv_id, recv_off, self.size * nbytes).clone()
+    def recording(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
+        send = buffers.bytes(send_id, send_off, self.size * nbytes).clone()
+        original(self, buffers, send_id, send_off, recv_id, recv_off, nbytes)
+        recv = buffers.bytes(recv_id, recv_off, self.size * nbytes).clone()
         log.append((self.pg, self.size, nbytes, send, recv))
 
     _torch_transport.ProcessGroupTransport.all_to_all = recording
-    qcoll.collectives._MIN_STAGE_BYTES = 0  # every requested stage, as the model moves them
+    qcoll._runtime.steps.MIN_STAGE_BYTES = 0  # every requested stage, as the model moves them
     try:
         g = qcoll.new_group(node_size=node_size)
         x = torch.tensor([encode(rank, p, i, n) for p in range(world) for i in range(n)])

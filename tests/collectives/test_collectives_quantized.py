@@ -173,7 +173,7 @@ def pairwise(**axes) -> list:
 
 
 def _reduce_scatter_worker(rank, world, node_size, cases):
-    qcoll.collectives._MIN_STAGE_BYTES = 0  # run every requested stage, as the model does
+    qcoll._runtime.steps.MIN_STAGE_BYTES = 0  # run every requested stage, as the model does
     g = qcoll.new_group(node_size=node_size)
     checked = 0
     inputs_cache = {}

@@ -110,7 +110,7 @@ def _chunk_headers(world, ns, n, intra_bits, inter_bits, stages, hierarchical, a
 def _signature(world, ns, n, dtype, kw) -> tuple:
     """What the call check compares (wire_header.h's CallHeader less the call number)."""
     from qcoll._dtypes import DTYPE_CODES
-    from qcoll.collectives import _check_bits
+    from qcoll._formats import format_code as _check_bits
 
     gs = kw.get("group_size") or qcoll.DEFAULT_GROUP_SIZE
     hier = {None: -1, True: 1, False: 0}[kw.get("hierarchical")]
@@ -125,7 +125,7 @@ def _signature(world, ns, n, dtype, kw) -> tuple:
 
 
 def _stats_worker(rank, world, ns, rs_cases, ag_cases):
-    qcoll.collectives._MIN_STAGE_BYTES = 0  # every requested stage, as counted below
+    qcoll._runtime.steps.MIN_STAGE_BYTES = 0  # every requested stage, as counted below
     g = qcoll.new_group(node_size=ns)
     report, seen = [], set()
     for case in rs_cases:

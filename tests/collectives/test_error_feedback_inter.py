@@ -71,7 +71,7 @@ CASES = [
 def _identity_worker(rank, world, node_size, steps):
     import torch.distributed as dist
 
-    qcoll.collectives._MIN_STAGE_BYTES = 0
+    qcoll._runtime.steps.MIN_STAGE_BYTES = 0
     g = qcoll.new_group(node_size=node_size)
     for ci, c in enumerate(CASES):
         n = c["n"]

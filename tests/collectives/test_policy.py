@@ -118,7 +118,8 @@ def test_fsdp_comms_and_zero_config_build_the_same_policy():
     assert ZeroConfig(grad_hadamard=True).grad_policy == ReduceScatterPolicy(hadamard=True)
     # Unquantized: the transport's own reduce-scatter, whichever way it is asked for.
     assert ZeroConfig(qgz=False).grad_policy == ReduceScatterPolicy.transport()
-    baseline = QuantizedReduceScatter(intra_bits=None, inter_bits=None).policy
+    baseline = QuantizedReduceScatter(intra_bits=None, inter_bits=None, pipeline_stages=4).policy
+    assert baseline == ReduceScatterPolicy.transport()
     assert (baseline.unquantized, baseline.hierarchical) == (True, False)
 
 
@@ -182,10 +183,10 @@ class _Bucket:
 def _entry_points_worker(rank, world):
     import torch.distributed as dist
 
-    import qcoll.collectives
+    import qcoll._runtime.steps
     from qcoll.zero.comms import EngineComms
 
-    qcoll.collectives._MIN_STAGE_BYTES = 64  # let small calls pipeline
+    qcoll._runtime.steps.MIN_STAGE_BYTES = 64  # let small calls pipeline
     g = qcoll.new_group(node_size=NODE_SIZE)
     pg = dist.group.WORLD
     gen = torch.Generator().manual_seed(rank)

@@ -1,4 +1,4 @@
-"""The stream/event bookkeeping of qcoll calls on CUDA tensors (python/qcoll/_streams.py),
+"""The stream/event bookkeeping of qcoll calls on CUDA tensors (python/qcoll/_runtime/streams.py),
 run on CPU against a stand-in for torch.cuda that logs every stream operation and models
 stream order. The same code drives real streams on a GPU (test_gpu_streams.py)."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import qcoll._nccl
-from qcoll import collectives
-from qcoll._calls import CommunicationError, Work
-from qcoll._streams import CudaCalls
+from qcoll._runtime import call as runtime_call
+from qcoll._runtime.streams import CudaCalls
+from qcoll._runtime.worker import CommunicationError, Work
 from qcoll.group import Group
 
 DEV = torch.device("cuda", 0)
@@ -356,11 +356,11 @@ def test_debug_check_is_skipped_while_capturing(monkeypatch):
     group = types.SimpleNamespace(size=2, _cuda=CudaCalls(rt), pg=None,
                                   _calls=types.SimpleNamespace(drain=lambda: None))
     monkeypatch.setenv("QCOLL_DEBUG", "1")
-    monkeypatch.setattr(collectives.dist, "all_gather_object", all_gather_object)
+    monkeypatch.setattr(runtime_call.dist, "all_gather_object", all_gather_object)
     meta = ("quantized_allgather", 8)
     rt.capture = 5
-    collectives._debug_check(group, meta, DEV)
+    runtime_call.debug_check(group, meta, DEV)
     assert exchanged == []
     rt.capture = 0
-    collectives._debug_check(group, meta, DEV)  # eager calls (the warm-up) are checked
+    runtime_call.debug_check(group, meta, DEV)  # eager calls (the warm-up) are checked
     assert exchanged == [meta]

@@ -300,7 +300,7 @@ def simulate(inputs, rank, n, node_size, op, intra_bits, inter_bits, group_size,
 
 
 def _rs_worker(rank, world, node_size, cases):
-    qcoll.collectives._MIN_STAGE_BYTES = 0
+    qcoll._runtime.steps.MIN_STAGE_BYTES = 0
     g = qcoll.new_group(node_size=node_size)
     results = []
     for c in cases:

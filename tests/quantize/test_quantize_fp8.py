@@ -161,7 +161,7 @@ def test_spellings_and_the_format_table():
     assert table == {"int8": (8, False, 127.0, True), "int4": (4, False, 7.0, True),
                      FP8: (8, True, 448.0, False)}
     assert sorted(v["code"] for v in _C.FORMATS.values()) + [_C.RAW_FORMAT] == [0, 1, 2, 3]
-    assert qcoll.collectives.OPS == _C.OPS == {"sum": 0, "avg": 1}
+    assert qcoll._runtime.args.OPS == _C.OPS == {"sum": 0, "avg": 1}
     from qcoll._dtypes import BYTES_CODE, DTYPE_CODES
     assert {str(k)[6:]: v for k, v in DTYPE_CODES.items()} == {
         k: v for k, v in _C.DTYPES.items() if k != "bytes"}

@@ -27,7 +27,7 @@ def _threads() -> int:
 def _failure_worker(rank, world, node_size, when, async_op):
     from qcoll import _torch_transport as tt
 
-    qcoll.collectives._MIN_STAGE_BYTES = 0  # 4 real stages: both lanes busy
+    qcoll._runtime.steps.MIN_STAGE_BYTES = 0  # 4 real stages: both lanes busy
     g = qcoll.new_group(node_size=node_size, timeout=timedelta(seconds=TIMEOUT))
     x = torch.randn(world * 4096)
     out = torch.empty(4096)

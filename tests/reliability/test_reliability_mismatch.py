@@ -93,7 +93,7 @@ def _stale_chunk_worker(rank, world, node_size, stages):
 
     from qcoll import _torch_transport as tt
 
-    qcoll.collectives._MIN_STAGE_BYTES = 0
+    qcoll._runtime.steps.MIN_STAGE_BYTES = 0
     original = tt.ProcessGroupTransport.all_to_all
     # Peers of the rank that rejects a chunk are left waiting for it: 5 s, then they raise.
     g = qcoll.new_group(node_size=node_size, timeout=timedelta(seconds=5))
@@ -101,11 +101,11 @@ def _stale_chunk_worker(rank, world, node_size, stages):
     good = torch.empty(64)
     qcoll.quantized_reduce_scatter(good, x, g, pipeline_stages=stages)
 
-    def stale(self, send_id, send_off, recv_id, recv_off, nbytes):
-        original(self, send_id, send_off, recv_id, recv_off, nbytes)
+    def stale(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
+        original(self, buffers, send_id, send_off, recv_id, recv_off, nbytes)
         # What a message shorter than its slot would leave: the previous call's bytes in
         # the slot of the last member (its header says call 0, this is call 1).
-        slot = self.buffers.bytes(recv_id, recv_off + (self.size - 1) * nbytes, nbytes)
+        slot = buffers.bytes(recv_id, recv_off + (self.size - 1) * nbytes, nbytes)
         header = slot[:32].view(torch.int32)
         header[3] -= 1  # the sequence field (bytes 12..15)
 

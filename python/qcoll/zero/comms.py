@@ -17,8 +17,9 @@ from typing import List, Optional
 
 import torch
 
-from .. import collectives as qc
+from ..all_gather import quantized_allgather
 from ..delta import delta_allgather
+from ..reduce_scatter import quantized_reduce_scatter
 from ..group import Group
 from .config import ZeroConfig
 from .flat_param import FlatParam
@@ -65,7 +66,7 @@ class EngineComms:
 
     # ---- all-gathers -------------------------------------------------------------------
     def _gather_weights(self, flat: FlatParam):
-        return qc.quantized_allgather(flat.full, flat.compute_shard, self.group, async_op=True,
+        return quantized_allgather(flat.full, flat.compute_shard, self.group, async_op=True,
                                       **self.config.weight_policy.kwargs())
 
     def gather_forward(self, flat: FlatParam):
@@ -84,7 +85,7 @@ class EngineComms:
             raise RuntimeError(f"qcoll.zero: hpZ backward gather of {flat.names[:3]} without a secondary "
                                "shard (its forward ran without gradients enabled)")
         # The secondary shard holds exactly the weights forward used; no re-quantization.
-        return self._issued("backward_allgather", self.timed("gather", lambda: qc.quantized_allgather(
+        return self._issued("backward_allgather", self.timed("gather", lambda: quantized_allgather(
             flat.full, flat.secondary, self.hpz_group, bits=None, async_op=True)))
 
     def publish_weights(self, flat: FlatParam, source: Optional[torch.Tensor] = None):
@@ -92,7 +93,7 @@ class EngineComms:
         source: gather this partition exactly instead (the transport's all-gather in the
         compute dtype; at start and after a load). Returns the call's Work."""
         if source is not None:
-            issue = lambda: qc.quantized_allgather(flat.full, source, self.group, bits=None, async_op=True)
+            issue = lambda: quantized_allgather(flat.full, source, self.group, bits=None, async_op=True)
         elif self.config.qwd:
             issue = lambda: delta_allgather(flat.full, flat.compute_shard, self.group, async_op=True,
                                             **self.config.weight_policy.kwargs())
@@ -107,7 +108,7 @@ class EngineComms:
         grad = flat.flat_grad()
         shard = torch.empty(flat.shard_numel, dtype=grad.dtype, device=grad.device)
         kwargs = self.config.grad_policy.kwargs()
-        work = self._issued("reduce_scatter", self.timed("reduce_scatter", lambda: qc.quantized_reduce_scatter(
+        work = self._issued("reduce_scatter", self.timed("reduce_scatter", lambda: quantized_reduce_scatter(
             shard, grad, self.group, op="avg", async_op=True, **kwargs)))
         self._pending_reduce.append((flat, shard, grad, work))
         # Accumulate what has completed; keep at most MAX_REDUCES_IN_FLIGHT gradient buffers.

@@ -138,10 +138,10 @@ class ZeroConfig:
     @functools.cached_property
     def grad_policy(self) -> ReduceScatterPolicy:
         """The gradient reduce-scatter's policy (qgz=False: the transport's own)."""
-        if not self.qgz:
-            return self._auto(ReduceScatterPolicy.transport())
-        return self._auto(ReduceScatterPolicy(self.grad_intra_bits, self.grad_inter_bits, self.group_size,
-                                              self.grad_pipeline_stages, hadamard=self.grad_hadamard))
+        return self._auto(ReduceScatterPolicy.gradients(self.grad_intra_bits if self.qgz else None,
+                                                        self.grad_inter_bits if self.qgz else None,
+                                                        self.group_size, self.grad_pipeline_stages,
+                                                        hadamard=self.grad_hadamard))
 
     def _auto(self, policy):
         return policy if self.policy is None else Auto(policy)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..collectives import quantized_allgather
+from ..all_gather import quantized_allgather
 from ..group import Group, _partition_groups, _subgroup, resolve_group
 from . import checkpoint
 from .comms import EngineComms

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import _C
+from .. import _C
 
 
 class CommunicationError(RuntimeError):
@@ -29,13 +29,13 @@ class Work:
 
     CPU: the call runs on the group's worker thread; wait() blocks until it has run and
     re-raises its error. GPU: the call runs on the group's communication stream
-    (_streams.py); wait() makes the current stream wait for it (the host never blocks) and
+    (streams.py); wait() makes the current stream wait for it (the host never blocks) and
     raises the CommunicationError the call's NCCL watchdog recorded, if any."""
 
     def __init__(self, future: Optional[Future] = None, traffic=None, cuda_call=None):
         self._future = future
         self._traffic = traffic
-        self._cuda = cuda_call  # _streams.CudaCall
+        self._cuda = cuda_call  # streams.CudaCall
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait for the call (CPU) or order the current stream after it (GPU). timeout:
@@ -83,10 +83,6 @@ class Work:
     def traffic(self) -> dict:
         """This call's own bytes, by qcoll.stats()'s rule (complete once the call is)."""
         return self._traffic.as_dict() if self._traffic is not None else {}
-
-
-def new_traffic():
-    return _C.Traffic()
 
 
 class CallQueue:

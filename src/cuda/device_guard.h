@@ -1,5 +1,5 @@
-// The CUDA runtime with QCOLL_CUDA_CHECK (qcoll/error.h, where every check macro lives),
-// and a scoped current device.
+// A scoped current CUDA device (with the CUDA runtime and QCOLL_CUDA_CHECK: every check
+// macro lives in qcoll/error.h).
 #pragma once
 
 #include <cuda_runtime_api.h>

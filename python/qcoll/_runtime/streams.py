@@ -46,8 +46,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from . import _C
-from ._calls import CommunicationError
+from .. import _C
+from .worker import CommunicationError
 
 
 class TorchCuda:

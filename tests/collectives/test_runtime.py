@@ -1,0 +1,140 @@
+"""The call runtime (python/qcoll/_runtime): the one place that reads a Group's private
+state; per-call buffers handed through the core to the transport with each exchange, by
+the buffer ids the core exports; the plan reporting each hop's encodes."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import torch
+
+import qcoll
+from qcoll import _C
+from tests.support.distributed import run_ranks
+
+PACKAGE = pathlib.Path(qcoll.__file__).resolve().parent
+F32 = _C.DTYPES["float32"]
+INT8, INT4, RAW = _C.FORMATS["int8"]["code"], _C.FORMATS["int4"]["code"], _C.RAW_FORMAT
+
+
+def _group_private_attributes() -> set:
+    """Names of Group's private attributes and methods, read from group.py's source."""
+    tree = ast.parse((PACKAGE / "group.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Group")
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_")
+             and not n.name.startswith("__")}
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                names.add(node.attr)
+    return names
+
+
+def test_only_the_runtime_reads_a_groups_private_state():
+    private = _group_private_attributes()
+    assert {"_calls", "_cuda", "_cpu_workspace", "_next_sequence", "_torch_comm"} <= private
+    assert "_buffers" not in private, "a per-group buffer registry is back"
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith("_runtime/") or rel == "group.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            # An object's own attributes (self._x) are its own; any other receiver's private
+            # attribute named like Group's is a Group's (or a look-alike: rename it).
+            if (isinstance(node, ast.Attribute) and node.attr in private
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                offenders.append(f"{rel}:{node.lineno}: .{node.attr}")
+    assert not offenders, "outside qcoll._runtime:\n" + "\n".join(offenders)
+
+
+def test_call_buffers_are_indexed_by_the_cores_buffer_ids():
+    from qcoll._runtime.buffers import CallBuffers
+
+    assert sorted(_C.BUFFERS) == ["input", "output", "workspace"]
+    assert sorted(_C.BUFFERS.values()) == list(range(3))
+    a = torch.arange(4, dtype=torch.float32)
+    b = torch.zeros(8, dtype=torch.float32)
+    w = torch.zeros(64, dtype=torch.uint8)
+    buffers = CallBuffers(a, b, w)
+    for name, t in (("input", a), ("output", b), ("workspace", w)):
+        assert buffers.pointers[_C.BUFFERS[name]] == t.data_ptr()
+    assert torch.equal(buffers.typed(_C.BUFFERS["input"], 4, 2, F32), a[1:3])
+    buffers.bytes(_C.BUFFERS["output"], 8, 4).copy_(torch.tensor([1.5]).view(torch.uint8))
+    assert b[2].item() == 1.5  # a view of the output itself, not a copy
+
+
+def _transport_worker(rank, world):
+    """Every exchange the torch transport makes gets the core call's own CallBuffers, and
+    addresses the call's tensors by the core's ids."""
+    from qcoll import _torch_transport as tt
+    from qcoll._runtime.buffers import CallBuffers
+
+    seen = []
+    original = tt.ProcessGroupTransport.all_gather
+
+    def recording(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
+        seen.append((buffers, send_id, recv_id, buffers.bytes(send_id, send_off, nbytes).clone()))
+        return original(self, buffers, send_id, send_off, recv_id, recv_off, nbytes)
+
+    tt.ProcessGroupTransport.all_gather = recording
+    try:
+        g = qcoll.new_group(node_size=world)
+        x = torch.full((4,), float(rank + 1))
+        outs = []
+        for k in range(2):  # two calls, one async
+            out = torch.empty(world * 4)
+            work = qcoll.quantized_allgather(out, x * (k + 1), g, bits=None, async_op=bool(k))
+            if work is not None:
+                work.wait()
+            outs.append(out)
+    finally:
+        tt.ProcessGroupTransport.all_gather = original
+    # The first call's first exchange is the call check (workspace -> workspace); the
+    # transport's own all-gather of each call moves input -> output.
+    payload = [(b, s, r, data) for b, s, r, data in seen if s == _C.BUFFERS["input"]]
+    assert len(payload) == 2
+    assert all(isinstance(b, CallBuffers) for b, *_ in seen)
+    assert payload[0][0] is not payload[1][0], "two calls shared one buffers object"
+    assert all(r == _C.BUFFERS["output"] for _, _, r, _ in payload)
+    assert torch.equal(payload[1][3].view(torch.float32), torch.full((4,), 2.0 * (rank + 1)))
+    assert not hasattr(g, "_buffers")
+    return [o.tolist() for o in outs]
+
+
+def test_the_transport_gets_each_calls_own_buffers_through_the_core():
+    world = 2
+    results = run_ranks(world, _transport_worker)
+    for outs in results:
+        for k, out in enumerate(outs):
+            assert out == [float((r + 1) * (k + 1)) for r in range(world) for _ in range(4)]
+
+
+def test_plan_reports_the_encodes_error_feedback_compensates():
+    def plan(intra, inter, hierarchical=-1, world=4, node_size=2):
+        return _C.plan_reduce_scatter(world, node_size, 1000, F32, intra, inter, 128, 1, hierarchical)
+
+    # (intra, inter, hierarchical) -> (two_hop, first hop quantized, partial sums re-encoded)
+    cases = {
+        (INT8, INT4, -1): (True, True, True),
+        (INT8, RAW, -1): (True, True, False),
+        (RAW, INT4, -1): (True, False, True),
+        (RAW, RAW, -1): (True, False, False),
+        (INT8, INT4, 0): (False, True, False),  # one hop across nodes: inter_bits' format
+        (RAW, INT4, 0): (False, True, False),
+        (INT8, RAW, 0): (False, False, False),
+    }
+    for (intra, inter, hier), (two_hop, encodes_input, reencodes) in cases.items():
+        p = plan(intra, inter, hier)
+        assert (p.two_hop, p.encodes_input, p.reencodes_partial_sums) == (two_hop, encodes_input, reencodes), \
+            (intra, inter, hier)
+        assert (p.nodes, p.n) == (2, 1000)
+    # One node: the one hop is the intra-node format.
+    p = plan(INT8, RAW, world=2, node_size=2)
+    assert (p.two_hop, p.encodes_input, p.reencodes_partial_sums) == (False, True, False)
+
+
+def test_call_kinds_are_read_from_the_core():
+    assert sorted(_C.CALL_KINDS) == ["all-gather", "all-reduce", "reduce-scatter"]
+    assert len(set(_C.CALL_KINDS.values())) == 3 and 0 not in _C.CALL_KINDS.values()
