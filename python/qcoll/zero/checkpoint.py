@@ -1,11 +1,24 @@
-"""ZeroEngine checkpoints.
+"""ZeroEngine checkpoints through torch.distributed.checkpoint (DCP), on any world size.
 
-state_dict() / load_state_dict(): this rank's fp32 master shards, optimizer state, loss
-scaler and step count (stage 2: and this rank's partition of the resident weights, which
-under qWD carry the last steps' quantization and are not the masters' copy), for resuming the same run bit-identically (same model, world size,
-node size and config). load_full_state_dict(): a plain model state dict onto any world size.
-Every check runs before anything is changed, so a rejected checkpoint leaves the engine as
-it was; the errors name what differs.
+state_dict() is a DCP state dict:
+
+    model    {flat key: DTensor}   fp32 masters
+    optim    state {flat key: {name: DTensor or value}}, param_groups (hyperparameters)
+    replica  {flat key: DTensor}   stage 2: the resident weights (under qWD they carry the
+                                   last steps' quantization and are not the masters' copy)
+    engine   format, config, layout, loss scaler, step count, whether the optimizer has state
+
+A flat key names a unit's buffer ("<unit>.trainable" / "<unit>.frozen"). Each flat buffer is
+saved as the 1-D tensor of its parameters' elements (no padding), Shard(0) over the engine's
+group: the engine's partition is torch.chunk's (ceil(numel / world) per rank, the last ranks
+short or empty), which is DTensor's, so DCP reshards it onto any world size. The padding past
+the last parameter is zero by construction (FlatParam.accumulate_grad_shard), so nothing is
+lost by leaving it out.
+
+The values are copies: dcp.load fills them, and load_state_dict() checks the engine part
+before anything in the engine changes, so a rejected checkpoint leaves the engine as it was.
+The same dict saved per rank with torch.save also loads back at the same world size.
+load_full_state_dict(): a plain model state dict onto any world size.
 """
 
 from __future__ import annotations
@@ -15,7 +28,8 @@ from typing import Dict, List
 
 import torch
 
-FORMAT = "qcoll.zero.ZeroEngine/1"
+FORMAT = "qcoll.zero.ZeroEngine/2"
+_ROOT = "<root>"
 
 
 def _config_summary(config) -> dict:
@@ -29,69 +43,158 @@ def _layout(engine) -> List[tuple]:
             for unit in engine.units for flat in unit.flats]
 
 
+def _flat_keys(engine) -> List[str]:
+    return [f"{unit.name or _ROOT}.{'trainable' if flat.requires_grad else 'frozen'}"
+            for unit in engine.units for flat in unit.flats]
+
+
+# ---- the engine's partition as DTensors -----------------------------------------------------
+class _Sharding:
+    """Turns a flat buffer's per-rank partition (shard_numel elements, the tail padding) into
+    the DTensor of its parameters' elements and back."""
+
+    def __init__(self, engine):
+        self.group = engine.group
+        self.mesh = None
+        if self.group.size > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            device = engine.flat_params[0].master.device if engine.flat_params else torch.device("cpu")
+            self.mesh = DeviceMesh.from_group(self.group.pg, device.type)
+
+    def valid(self, flat) -> int:
+        """Elements of this rank's partition that are parameters (the rest is padding)."""
+        return max(0, min(flat.shard_numel, flat.numel - self.group.rank * flat.shard_numel))
+
+    def wrap(self, flat, partition: torch.Tensor):
+        local = partition[:self.valid(flat)].detach().clone()
+        if self.mesh is None:  # one rank: the whole buffer, a plain tensor
+            return local
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape = torch.Size([flat.numel])
+        size, offset = compute_local_shape_and_global_offset(shape, self.mesh, [Shard(0)])
+        if size[0] != local.numel() or (local.numel() and offset[0] != self.group.rank * flat.shard_numel):
+            raise RuntimeError(f"qcoll.zero: DTensor's Shard(0) of {flat.numel} elements over {self.group.size} "
+                               f"ranks ({list(size)} at {list(offset)}) is not the engine's partition")
+        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False, shape=shape, stride=(1,))
+
+    def is_partition(self, flat, value) -> bool:
+        """Whether a loaded value is a flat buffer's elements (what wrap() made)."""
+        if self.mesh is None:
+            return torch.is_tensor(value) and tuple(value.shape) == (flat.numel,)
+        from torch.distributed.tensor import DTensor
+
+        return isinstance(value, DTensor)
+
+    def unwrap(self, flat, value, like: torch.Tensor) -> torch.Tensor:
+        """The loaded elements as this rank's partition, padding zero, dtype and device of `like`."""
+        local = value.to_local() if hasattr(value, "to_local") else value
+        out = torch.zeros(flat.shard_numel, dtype=like.dtype, device=like.device)
+        out[:local.numel()].copy_(local)
+        return out
+
+
+def _sharded_state(opt_state: dict, flat, sharding: _Sharding) -> dict:
+    """One master's optimizer state: master-shaped tensors sharded, the rest (Adam's step)
+    as it is (every rank holds the same)."""
+    return {k: sharding.wrap(flat, v) if torch.is_tensor(v) and v.shape == flat.master.shape
+            else (v.detach().clone() if torch.is_tensor(v) else v) for k, v in opt_state.items()}
+
+
+@torch.no_grad()
+def _optimizer_state_shapes(optimizer) -> dict:
+    """The state an optimizer will hold, for one that has none yet (dcp.load fills the state
+    dict it is given, so the entries must exist): one step at lr 0 on zero gradients, then
+    parameters, learning rates and state put back as they were."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved = [p.detach().clone() for p in params]
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+    for p in params:  # frozen masters get no gradient, hence no state, as in training
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    try:
+        optimizer.step()
+        return {id(p): dict(optimizer.state[p]) for p in params if p in optimizer.state}
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
+        for p, s in zip(params, saved):
+            p.copy_(s)
+            p.grad = None
+        optimizer.state.clear()
+
+
 def engine_state_dict(engine) -> dict:
-    g = engine.group
-    return {
-        "format": FORMAT,
-        "world_size": g.size, "node_size": g.node_size, "rank": g.rank,
-        "config": _config_summary(engine.config),
-        "layout": _layout(engine),
-        "master": [f.master.detach().clone() for f in engine.flat_params],
-        "optimizer": engine.optimizer.state_dict(),
-        "scaler": engine.scaler.state_dict(),
-        "steps": engine.steps,
-        "replica": ([f.shard_of(f.full).detach().clone() for f in engine.flat_params]
-                    if engine.resident else None),
+    sharding = _Sharding(engine)
+    keys = _flat_keys(engine)
+    optimizer = engine.optimizer
+    has_state = len(optimizer.state) > 0
+    state_of = ({id(p): s for p, s in optimizer.state.items()} if has_state
+                else _optimizer_state_shapes(optimizer))
+    key_of = {id(f.master): k for f, k in zip(engine.flat_params, keys)}
+    groups = [dict({k: v for k, v in g.items() if k != "params"}, params=[key_of[id(p)] for p in g["params"]])
+              for g in optimizer.param_groups]
+    out = {
+        "model": {k: sharding.wrap(f, f.master) for f, k in zip(engine.flat_params, keys)},
+        "optim": {"state": {k: _sharded_state(state_of[id(f.master)], f, sharding)
+                            for f, k in zip(engine.flat_params, keys) if id(f.master) in state_of},
+                  "param_groups": groups},
+        "engine": {"format": FORMAT, "config": _config_summary(engine.config), "layout": _layout(engine),
+                   "scaler": engine.scaler.state_dict(), "steps": engine.steps,
+                   "optimizer_has_state": has_state},
     }
+    if engine.resident:
+        out["replica"] = {k: sharding.wrap(f, f.shard_of(f.full)) for f, k in zip(engine.flat_params, keys)}
+    return out
 
 
+# ---- loading --------------------------------------------------------------------------------
 def _check_engine_state(engine, state) -> None:
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError("load_state_dict: not a ZeroEngine.state_dict() checkpoint (for a plain model "
-                         "state dict use load_full_state_dict)")
-    g = engine.group
-    for key, mine in (("world_size", g.size), ("node_size", g.node_size), ("rank", g.rank)):
-        if state[key] != mine:
-            raise ValueError(f"load_state_dict: checkpoint {key} {state[key]} != this engine's {mine}"
-                             + ("; load_full_state_dict(full_state_dict()) moves weights across world sizes"
-                                if key != "rank" else ""))
-    theirs, mine = state["layout"], _layout(engine)
+    meta = state.get("engine") if isinstance(state, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        older = isinstance(state, dict) and str(state.get("format", "")).startswith("qcoll.zero.ZeroEngine/")
+        raise ValueError(
+            "load_state_dict: not a ZeroEngine.state_dict() filled by torch.distributed.checkpoint.load"
+            + (" (this is a per-rank torch.save checkpoint of an earlier qcoll, a format no longer read: with "
+               "that version save engine.full_state_dict() and load it here with load_full_state_dict; the "
+               "optimizer state does not carry over)"
+               if older else "; for a plain model state dict use load_full_state_dict"))
+    theirs, mine = meta["layout"], _layout(engine)
     for i in range(max(len(theirs), len(mine))):
         a = tuple(theirs[i]) if i < len(theirs) else None
         b = mine[i] if i < len(mine) else None
         if a != b:
             raise ValueError(f"load_state_dict: the checkpoint is of another model or unit layout: "
                              f"{_layout_difference(i, a, b)}")
-    differ = {k: (v, state["config"].get(k)) for k, v in _config_summary(engine.config).items()
-              if state["config"].get(k) != v}
+    differ = {k: (v, meta["config"].get(k)) for k, v in _config_summary(engine.config).items()
+              if meta["config"].get(k) != v}
     if differ:
         fields = ", ".join(f"{k}={theirs} in the checkpoint, {mine} here" for k, (mine, theirs) in differ.items())
         raise ValueError(f"load_state_dict: the checkpoint's ZeroConfig differs: {fields}")
-    for i, (flat, master) in enumerate(zip(engine.flat_params, state["master"])):
-        if master.shape != flat.master.shape:
-            raise ValueError(f"load_state_dict: master shard {i} has shape {tuple(master.shape)}, "
-                             f"expected {tuple(flat.master.shape)}")
-    if engine.resident:
-        for i, (flat, part) in enumerate(zip(engine.flat_params, state.get("replica") or [])):
-            if part.shape != flat.compute_shard.shape or part.dtype != flat.compute_shard.dtype:
-                raise ValueError(f"load_state_dict: weight partition {i} is {part.dtype}{list(part.shape)}, "
-                                 f"expected {flat.compute_shard.dtype}{list(flat.compute_shard.shape)}")
-    opt_theirs, opt_mine = state["optimizer"]["param_groups"], engine.optimizer.state_dict()["param_groups"]
-    if [len(pg["params"]) for pg in opt_theirs] != [len(pg["params"]) for pg in opt_mine]:
+    groups_theirs, groups_mine = state["optim"]["param_groups"], engine.optimizer.param_groups
+    keys = _flat_keys(engine)
+    key_of = {id(f.master): k for f, k in zip(engine.flat_params, keys)}
+    if [g["params"] for g in groups_theirs] != [[key_of[id(p)] for p in g["params"]] for g in groups_mine]:
         raise ValueError("load_state_dict: the checkpoint's optimizer has other parameter groups")
-    keys_theirs = [sorted(pg) for pg in opt_theirs]
-    if keys_theirs != [sorted(pg) for pg in opt_mine]:
+    settings_theirs, settings_mine = sorted(groups_theirs[0]) if groups_theirs else [], \
+        sorted(groups_mine[0]) if groups_mine else []
+    if settings_theirs != settings_mine:
         raise ValueError(f"load_state_dict: the checkpoint's optimizer is of another kind (its settings "
-                         f"{keys_theirs[0]}, here {sorted(opt_mine[0])})")
-    if state["scaler"]["enabled"] != engine.scaler.enabled:
+                         f"{settings_theirs}, here {settings_mine})")
+    if meta["scaler"]["enabled"] != engine.scaler.enabled:
         raise ValueError("load_state_dict: loss scaling is on in one of the checkpoint and this engine only")
+    if engine.resident and "replica" not in state:
+        raise ValueError("load_state_dict: the checkpoint holds no resident weights (stage 2)")
 
 
 def _layout_difference(i: int, theirs, mine) -> str:
     """The first parameter that differs (name or shape), else the whole flat buffer."""
-    if theirs is not None and mine is not None and theirs[:2] == mine[:2]:
+    if theirs is not None and mine is not None and tuple(theirs[:2]) == tuple(mine[:2]):
         for (n1, s1), (n2, s2) in zip(zip(theirs[2], theirs[3]), zip(mine[2], mine[3])):
-            if (n1, s1) != (n2, s2):
+            if (n1, tuple(s1)) != (n2, tuple(s2)):
                 return f"unit {mine[0]!r} holds {n1}{list(s1)} there and {n2}{list(s2)} here"
     return f"flat buffer {i} is {_describe(theirs)} there and {_describe(mine)} here"
 
@@ -105,15 +208,33 @@ def _describe(entry) -> str:
 
 
 @torch.no_grad()
-def load_engine_state_dict(engine, state: dict) -> None:
+def load_engine_state_dict(engine, state: dict) -> list:
+    """Restores masters, optimizer, scaler and steps; returns the resident weights' partitions
+    (stage 2) for the engine to publish, else None."""
     _check_engine_state(engine, state)
-    for flat, master in zip(engine.flat_params, state["master"]):
-        flat.master.copy_(master)
+    sharding = _Sharding(engine)
+    keys = _flat_keys(engine)
+    for flat, key in zip(engine.flat_params, keys):
+        flat.master.copy_(sharding.unwrap(flat, state["model"][key], flat.master))
         flat.master.grad = None
         flat.refresh_compute_shard()
-    engine.optimizer.load_state_dict(state["optimizer"])
-    engine.scaler.load_state_dict(state["scaler"])
-    engine.steps = int(state["steps"])
+    index = {id(p): i for i, p in enumerate(p for g in engine.optimizer.param_groups for p in g["params"])}
+    opt_state = {}
+    if state["engine"]["optimizer_has_state"]:
+        for flat, key in zip(engine.flat_params, keys):
+            saved = state["optim"]["state"].get(key)
+            if saved is not None:
+                opt_state[index[id(flat.master)]] = {
+                    k: sharding.unwrap(flat, v, flat.master) if sharding.is_partition(flat, v) else v
+                    for k, v in saved.items()}
+    groups = [dict(theirs, params=[index[id(p)] for p in mine["params"]])
+              for theirs, mine in zip(state["optim"]["param_groups"], engine.optimizer.param_groups)]
+    engine.optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+    engine.scaler.load_state_dict(state["engine"]["scaler"])
+    engine.steps = int(state["engine"]["steps"])
+    if not engine.resident:
+        return None
+    return [sharding.unwrap(f, state["replica"][k], f.compute_shard) for f, k in zip(engine.flat_params, keys)]
 
 
 def _full_values(engine, state: Dict[str, torch.Tensor]) -> tuple:

@@ -342,18 +342,20 @@ class ZeroEngine:
 
     # ---- checkpoints (checkpoint.py) -----------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's part of a resumable checkpoint: fp32 master shards, optimizer state,
-        loss-scaler state and step count (save it per rank with torch.save)."""
+        """A torch.distributed.checkpoint state dict of the whole run (fp32 masters, optimizer
+        state, resident weights in stage 2, loss scaler, step count), sharded over the group:
+        ``dcp.save(engine.state_dict(), checkpoint_id=...)``. Copies, not views."""
         self.wait_weights()
         return checkpoint.engine_state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from this rank's state_dict() of an engine with the same model, world size,
-        node size and config; any mismatch raises ValueError before anything changes."""
+        """Resume, on any world size and node size, from ``sd = engine.state_dict();
+        dcp.load(sd, checkpoint_id=...)``; same model, unit layout, ZeroConfig and optimizer
+        kind, else ValueError before anything changes."""
         self.wait_weights()
-        checkpoint.load_engine_state_dict(self, state)
+        replica = checkpoint.load_engine_state_dict(self, state)
         if self.resident:  # the weights as they were (with qWD they are not the masters' copy)
-            self._publish_weights(self.flat_params, state["replica"])
+            self._publish_weights(self.flat_params, replica)
 
     def load_full_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
         """Load a plain model state dict (full_state_dict(), or a single-process model's

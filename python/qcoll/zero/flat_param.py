@@ -84,6 +84,10 @@ class FlatParam:
 
     def accumulate_grad_shard(self, shard: torch.Tensor) -> None:
         shard = shard.float()
+        # The padding past the last parameter gets no gradient (a Hadamard-smoothed
+        # reduce-scatter would leave noise there): masters and optimizer state stay zero in it,
+        # so a checkpoint need not hold it and resumes exactly on any world size.
+        shard[max(0, self.numel - self.rank * self.shard_numel):].zero_()
         if self.master.grad is None:
             self.master.grad = shard
         else:
