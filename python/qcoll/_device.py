@@ -19,7 +19,7 @@ def device_args(t: torch.Tensor, what: str) -> tuple:
         if not _static_info()["cuda"]:
             raise ValueError(
                 f"{what} is a CUDA tensor but qcoll was built without CUDA kernels; "
-                "rebuild where nvcc is found (or with QCOLL_CUDA=1), or pass a CPU tensor"
+                "rebuild where nvcc is found (QCOLL_CUDA=ON requires it), or pass a CPU tensor"
             )
         return CUDA, t.device.index, torch.cuda.current_stream(t.device).cuda_stream
     raise ValueError(f"{what} must be on a cpu or cuda device, got {t.device}")
