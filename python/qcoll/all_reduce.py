@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from . import _C
+from ._device import on_gpu
 from ._dtypes import dtype_code
 from ._formats import format_of
 from .collectives import (
@@ -90,7 +91,7 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     _debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, rs.intra_code, rs.inter_code,
                      group_size, stages, hierarchical, error_feedback is not None), tensor.device)
 
-    if (bits is None and inter_bits is None and error_feedback is None and tensor.device.type == "cpu"
+    if (bits is None and inter_bits is None and error_feedback is None and not on_gpu(tensor.device)
             and g.size > 1 and g.communicator(tensor.device).has_all_reduce):
         return _transport_all_reduce(g, tensor, code, op, async_op)
 

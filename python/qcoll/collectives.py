@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from . import _C
 from ._calls import Work, new_traffic
-from ._device import device_args
+from ._device import device_args, on_gpu
 from ._dtypes import BYTES_CODE, DTYPE_CODES, dtype_code
 from ._formats import RAW_CODE, format_code
 from .group import Group, resolve_group
@@ -87,7 +87,7 @@ def _debug_check(group: Group, meta: tuple, device: torch.device) -> None:
     forbids (the eager warm-up calls before the capture are checked)."""
     if os.environ.get("QCOLL_DEBUG", "0") in ("", "0") or group.size == 1:
         return
-    if device.type == "cuda" and group._cuda.capturing(device):
+    if on_gpu(device) and group._cuda.capturing(device):
         return
     group._calls.drain()  # group.pg may be the worker's own (a sub-group's): never both at once
     metas = [None] * group.size
@@ -130,7 +130,7 @@ def _run(what: str, group: Group, input: torch.Tensor, output: torch.Tensor, wor
     if not output.is_inference():
         torch.autograd.graph.increment_version(output)
     device = input.device
-    if device.type == "cuda":
+    if on_gpu(device):
         group._calls.drain()  # CPU calls issued earlier on this family go first
     comm = group.communicator(device)
     kind, index, _ = device_args(input, "input")
@@ -138,7 +138,7 @@ def _run(what: str, group: Group, input: torch.Tensor, output: torch.Tensor, wor
     traffic = new_traffic()
     describe = _describe(what, group, sequence)
 
-    if device.type == "cuda":
+    if on_gpu(device):
         def enqueue(stream, lane, workspace):
             group._buffers.set(input, output, workspace)  # read by a torch transport only
             try:
@@ -199,7 +199,7 @@ def _allgather_core(g: Group, n: int, code: int, bits, group_size: int, device: 
     run(comm, kind, index, stream, workspace, traffic, sequence, input, output, collective)
     that executes it in the core (collective: the stats() counter, "none" for a part)."""
     plan = _allgather_plan(g.size, n, code, _check_bits(bits, "bits"), group_size,
-                           device.type == "cpu")
+                           not on_gpu(device))
 
     def run(comm, kind, index, stream, workspace, traffic, sequence, input, output,
             collective="allgather", lane_stream=0):
@@ -219,7 +219,7 @@ def _reduce_scatter_core(g: Group, n: int, code: int, op: str, intra_bits, inter
     hier = -1 if hierarchical is None else int(hierarchical)
     plan = _reduce_scatter_plan(g.size, g.node_size, n, code, _check_bits(intra_bits, "intra_bits"),
                                 _check_bits(inter_bits, "inter_bits"), group_size, stages, hier,
-                                device.type == "cpu", _MIN_STAGE_BYTES, hadamard_size)
+                                not on_gpu(device), _MIN_STAGE_BYTES, hadamard_size)
     intra_comm = g.intra.communicator(device) if plan.two_hop else None
     inter_comm = g.inter.communicator(device) if plan.two_hop else None
     op_code = OPS[op]

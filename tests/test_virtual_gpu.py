@@ -1,0 +1,77 @@
+"""qcoll's host GPU path on the CPU (README "The GPU host path on the CPU"): under the
+virtual GPU (QCOLL_VIRTUAL_GPU=1) CPU tensors take qcoll's CUDA branch, over its NCCL
+driver (src/comm/nccl_comm.cpp, loaded through the unchanged loader) and the NCCL
+stand-in, on the emulated CUDA runtime's streams, events and graphs; the kernels run under
+the SIMT emulator. Ranks are processes (virtual_gpu.py, scenarios in vgpu_scenarios.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from virtual_gpu import run_virtual
+
+pytestmark = [
+    pytest.mark.virtual_gpu,
+    pytest.mark.skipif(importlib.util.find_spec("qcoll._C_emu") is None,
+                       reason="qcoll was built without the virtual GPU (QCOLL_VGPU=OFF)"),
+]
+
+
+@pytest.mark.parametrize("world,node_size", [(4, 2), (6, 2)], ids=["2x2", "3x2"])
+def test_collectives_over_nccl_driver_match_gloo(world, node_size):
+    results = run_virtual(world, "collectives", node_size, timeout=300)
+    checked = results[0]["checked"]
+    assert all(r["checked"] == checked for r in results)
+    assert len(checked) >= 30, checked
+    # Every call went through qcoll's NCCL communicators (their watchdog counts them).
+    assert all(r["nccl_ops"] >= len(checked) for r in results), [r["nccl_ops"] for r in results]
+
+
+def test_nccl_standin_reductions_are_ring_ordered_and_rounded_per_step():
+    done = run_virtual(4, "nccl_reductions", timeout=120)
+    assert all(d == done[0] for d in done) and len(done[0]) == 4
+
+
+def test_async_calls_overlap_and_wait():
+    results = run_virtual(4, "async_calls", 2, timeout=120)
+    # Ranks other than the late one got their Works back while the calls were pending.
+    for r in results[:-1]:
+        assert r["issued_s"] < 0.4, r
+        assert all(r["pending"]), r
+
+
+def test_graph_capture_and_replay_give_the_same_bits():
+    assert run_virtual(4, "graph_replay", 2, timeout=120) == [[0, 1]] * 4
+
+
+@pytest.mark.parametrize("fault", ["die", "stall"])
+def test_dead_or_stalled_peer_fails_every_survivor_within_the_timeout(fault):
+    timeout_s = 3.0
+    dead = (3,) if fault == "die" else ()
+    env = {3: {"QCOLL_NCCL_EMU_FAULT": f"{fault}:1"}}
+    results = run_virtual(4, "dead_peer", 2, timeout_s, env=env, dead=dead, timeout=120)
+    survivors = [r for r in results if r is not None]
+    assert len(survivors) == (3 if fault == "die" else 4)
+    for r in survivors:
+        if r["elapsed"] < 0.5:  # the staller's own call: its peers' aborts end it
+            continue
+        assert r["elapsed"] < timeout_s + 3.0, r
+        assert r["error"] == "CommunicationError", r
+        assert r["raised"] and "did not complete within the timeout" in r["raised"], r
+        assert r["later"] and "NCCL communicator aborted" in r["later"], r
+
+
+def test_init_that_never_completes_is_bounded_and_aborted():
+    timeout_s = 2.0
+    results = run_virtual(2, "never_joins", timeout_s,
+                          env={1: {"QCOLL_NCCL_EMU_FAULT": "never_join"}}, timeout=90)
+    for r in results:
+        assert r["error"] and "did not all join within the timeout" in r["error"], r
+        assert r["elapsed"] < timeout_s + 3.0, r
+        assert r["live"] == 0, r
+
+
+def test_interpreter_exit_with_live_communicators():
+    assert run_virtual(2, "exit_with_live_communicators", timeout=90) == ["exiting"] * 2
