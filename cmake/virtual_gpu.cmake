@@ -53,6 +53,7 @@ set_target_properties(_C_emu PROPERTIES INSTALL_RPATH "$ORIGIN" BUILD_RPATH "$OR
 # The kernel sources keep the emulator's options (CMakeLists.txt: emu_kernel_options).
 if(QCOLL_VGPU_COVERAGE)  # tests/vgpu_coverage.sh: line coverage of the host GPU code
   set_property(SOURCE src/emu/cudart/host_nccl_comm.cpp src/emu/cudart/host_stream_lanes.cpp
+               src/comm/communicator.cpp src/comm/nccl_loader.cpp
                APPEND PROPERTY COMPILE_OPTIONS --coverage -O0)
   target_link_options(_C_emu PRIVATE --coverage)
 endif()

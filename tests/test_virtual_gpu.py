@@ -38,7 +38,7 @@ def test_async_calls_overlap_and_wait():
     results = run_virtual(4, "async_calls", 2, timeout=120)
     # Ranks other than the late one got their Works back while the calls were pending.
     for r in results[:-1]:
-        assert r["issued_s"] < 0.4, r
+        assert r["issued_s"] < 2.5, r  # the late rank joins after 3 s
         assert all(r["pending"]), r
 
 
@@ -51,7 +51,7 @@ def test_dead_or_stalled_peer_fails_every_survivor_within_the_timeout(fault):
     timeout_s = 3.0
     dead = (3,) if fault == "die" else ()
     env = {3: {"QCOLL_NCCL_EMU_FAULT": f"{fault}:1"}}
-    results = run_virtual(4, "dead_peer", 2, timeout_s, env=env, dead=dead, timeout=120)
+    results = run_virtual(4, "dead_peer", 2, timeout_s, env=env, dead=dead, timeout=60)
     survivors = [r for r in results if r is not None]
     assert len(survivors) == (3 if fault == "die" else 4)
     for r in survivors:
@@ -75,3 +75,10 @@ def test_init_that_never_completes_is_bounded_and_aborted():
 
 def test_interpreter_exit_with_live_communicators():
     assert run_virtual(2, "exit_with_live_communicators", timeout=90) == ["exiting"] * 2
+
+
+def test_ddp_fsdp2_and_zero_train_the_same_bits_over_the_nccl_driver():
+    # Each rank compared its losses and parameters with the gloo run's, bit for bit.
+    results = run_virtual(4, "training", 3, timeout=300)
+    assert all(set(r) == {"ddp", "fsdp", "zero"} and len(r["ddp"]) == 3 for r in results)
+    assert all(r["zero"] == results[0]["zero"] for r in results)  # the global mean loss

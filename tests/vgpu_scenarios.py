@@ -89,7 +89,9 @@ def collectives(rank: int, world: int, node_size: int) -> dict:
     comms = _comms(ours)
     ops = sum(c.ops_enqueued for c in comms)
     assert len(comms) == 3 if world > node_size else 1, comms
-    ours.close()
+    start = time.monotonic()
+    ours.close()  # finalize meets the peers: quick when every rank destroys in one order
+    assert time.monotonic() - start < 10.0, f"close() took {time.monotonic() - start:.1f} s"
     assert not _nccl._live_comms, "close() must destroy the family's NCCL communicators"
     return {"version": version, "checked": checked, "nccl_ops": ops}
 
@@ -137,7 +139,7 @@ def async_calls(rank: int, world: int, node_size: int) -> dict:
             want.append(w)
     torch.distributed.barrier()
     if rank == world - 1:
-        time.sleep(0.5)  # the others' calls cannot complete before this rank joins
+        time.sleep(3.0)  # the others' calls cannot complete before this rank joins
     outs = [torch.full((world * n,), float("nan")) for _ in xs]
     start = time.monotonic()
     works = [qcoll.quantized_allgather(o, x, ours, async_op=True) for o, x in zip(outs, xs)]
@@ -175,10 +177,18 @@ def graph_replay(rank: int, world: int, node_size: int) -> list:
     kw = dict(intra_bits=8, inter_bits=4, pipeline_stages=2)
     qcoll.quantized_allgather(ag, x, ours, bits=8)  # warm-up, as before torch.cuda.graph
     qcoll.quantized_reduce_scatter(rs, rs_in, ours, **kw)
+    # An eager call still in flight while the capture runs (the last rank joins it late):
+    # the watchdog queries its event meanwhile, which must not touch the capture.
+    torch.distributed.barrier()
+    if rank == world - 1:
+        time.sleep(0.3)
+    eager = qcoll.quantized_allgather(torch.empty(world * n), x, ours, async_op=True)
     graph = _vgpu.Graph()
     with graph.capture():
         qcoll.quantized_allgather(ag, x, ours, bits=8)
         qcoll.quantized_reduce_scatter(rs, rs_in, ours, **kw)
+        time.sleep(0.05)  # a few watchdog ticks inside the capture
+    eager.wait()
     done = []
     for step in range(2):
         gen = torch.Generator().manual_seed(100 * step + rank)
@@ -249,3 +259,51 @@ def exit_with_live_communicators(rank: int, world: int) -> str:
     qcoll.quantized_reduce_scatter(torch.empty(100), torch.randn(world * 100), ours)
     qcoll.quantized_allgather(out, torch.randn(100), ours, async_op=True)
     return "exiting"
+
+
+def _same_state(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        ref.assert_same_bits(a[k].float(), b[k].float(), f"{what}: {k}")
+
+
+def training(rank: int, world: int, steps: int) -> dict:
+    """The DDP hook, the FSDP2 plug-in and the ZeRO engine train a few quantized steps
+    with their collectives over qcoll's NCCL driver: the same losses and parameters, bit
+    for bit, as with the collectives over gloo on the CPU branch."""
+    import functools
+
+    import test_ddp
+    import test_fsdp
+    import zero_helpers
+    from qcoll.zero import ZeroConfig, ZeroEngine
+
+    _check_setup()
+    out = {}
+
+    def ddp():
+        r = test_ddp._train(rank, world, "qcoll", steps, shape=(20, 1, 36))
+        return r["losses"], r["params"]
+
+    def fsdp():
+        model = test_fsdp._build("qcoll", world, node_size=2, reshard=2, shape=(20, 1, 36))
+        losses, _ = test_fsdp._train(model, steps, rank, world)
+        return losses, test_fsdp._full_params(model)
+
+    def zero():
+        group = qcoll.new_group(node_size=2)
+        torch.manual_seed(0)
+        engine = ZeroEngine(zero_helpers.OddNet(), zero_helpers.OptimizerFactory("adamw"), group,
+                            config=ZeroConfig())
+        batch = functools.partial(zero_helpers.oddnet_batch, batch_size=4 * world)
+        losses = zero_helpers.train_engine(engine, batch, steps, rank, world)
+        return losses, engine.full_state_dict()
+
+    for name, train in (("ddp", ddp), ("fsdp", fsdp), ("zero", zero)):
+        losses, state = train()
+        with _vgpu.cpu_branch():
+            want_losses, want_state = train()
+        assert losses == want_losses, f"{name}: losses {losses} != {want_losses}"
+        _same_state(state, want_state, name)
+        out[name] = losses
+    return out
