@@ -25,13 +25,10 @@ def test_collectives_over_nccl_driver_match_gloo(world, node_size):
     checked = results[0]["checked"]
     assert all(r["checked"] == checked for r in results)
     assert len(checked) >= 30, checked
+    # The stand-in's own fp16/fp32 reduce-scatter against numpy's per-step rounding.
+    assert sum("nccl reduce_scatter" in c for c in checked) == 4, checked
     # Every call went through qcoll's NCCL communicators (their watchdog counts them).
     assert all(r["nccl_ops"] >= len(checked) for r in results), [r["nccl_ops"] for r in results]
-
-
-def test_nccl_standin_reductions_are_ring_ordered_and_rounded_per_step():
-    done = run_virtual(4, "nccl_reductions", timeout=120)
-    assert all(d == done[0] for d in done) and len(done[0]) == 4
 
 
 def test_async_calls_overlap_and_wait():
@@ -58,8 +55,12 @@ def test_dead_or_stalled_peer_fails_every_survivor_within_the_timeout(fault):
         if r["elapsed"] < 0.5:  # the staller's own call: its peers' aborts end it
             continue
         assert r["elapsed"] < timeout_s + 3.0, r
-        assert r["error"] == "CommunicationError", r
-        assert r["raised"] and "did not complete within the timeout" in r["raised"], r
+        # The call's Work raises CommunicationError; a dead peer that NCCL already reports
+        # when the call is enqueued makes the call itself raise.
+        assert r["error"] == "CommunicationError" or (fault == "die" and r["error"] == "at enqueue"), r
+        # A dead peer is NCCL's asynchronous remote error; a stalled one, the timeout.
+        why = "remote process exited" if fault == "die" else "did not complete within the timeout"
+        assert r["raised"] and why in r["raised"], r
         assert r["later"] and "NCCL communicator aborted" in r["later"], r
 
 
@@ -82,3 +83,10 @@ def test_ddp_fsdp2_and_zero_train_the_same_bits_over_the_nccl_driver():
     results = run_virtual(4, "training", 3, timeout=300)
     assert all(set(r) == {"ddp", "fsdp", "zero"} and len(r["ddp"]) == 3 for r in results)
     assert all(r["zero"] == results[0]["zero"] for r in results)  # the global mean loss
+
+
+def test_loader_reports_bad_libraries_and_reuses_a_mapped_nccl(tmp_path):
+    (r,) = run_virtual(1, "loader", str(tmp_path), timeout=60)
+    assert "cannot load NCCL" in r["missing"] and "no-such-libnccl" in r["missing"], r
+    assert "lacks symbol ncclGetVersion" in r["not-nccl"], r
+    assert r["mapped"] == "2.28.3" and r["unique_id"] == 128, r

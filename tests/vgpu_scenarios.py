@@ -36,6 +36,7 @@ def _comms(group) -> list:
 
 def _check_setup() -> str:
     assert _vgpu.ENABLED and qcoll._C.__name__ == "qcoll._C_emu", qcoll._C.__name__
+    qcoll.collectives._MIN_STAGE_BYTES = 0  # every requested pipeline stage runs (stream lanes)
     version = _nccl.nccl_version()
     assert version == "2.28.3", f"expected the NCCL stand-in, got {version!r}"
     return version
@@ -86,6 +87,7 @@ def collectives(rank: int, world: int, node_size: int) -> dict:
         shard = (old[rank * n:(rank + 1) * n].float() + 0.01 * torch.randn(n, generator=gen)).to(dtype)
         same(lambda: old.clone(), lambda full, g: qcoll.delta_allgather(full, shard, g, bits=8),
              f"delta_allgather {dtype}")
+    checked += _nccl_reductions(rank, world, ours)
     comms = _comms(ours)
     ops = sum(c.ops_enqueued for c in comms)
     assert len(comms) == 3 if world > node_size else 1, comms
@@ -96,11 +98,9 @@ def collectives(rank: int, world: int, node_size: int) -> dict:
     return {"version": version, "checked": checked, "nccl_ops": ops}
 
 
-def nccl_reductions(rank: int, world: int) -> list:
-    """The stand-in's own reduce-scatter (bits=None, one hop) of random fp16/bf16/fp32
-    values: NCCL's ring order with a rounding per step, against numpy."""
-    _check_setup()
-    ours, _ = _groups(world)
+def _nccl_reductions(rank: int, world: int, ours) -> list:
+    """The stand-in's own reduce-scatter (bits=None, one hop) of random fp16/fp32 values:
+    NCCL's ring order with a rounding per step, against numpy."""
     n = 301
     done = []
     for dtype, npt in ((torch.float16, np.float16), (torch.float32, np.float32)):
@@ -118,8 +118,7 @@ def nccl_reductions(rank: int, world: int) -> list:
                 x = blocks[p] * scale if op == "avg" else blocks[p]  # numpy rounds per op
                 acc = x if acc is None else (acc + x).astype(npt)
             ref.assert_same_bits(out, torch.from_numpy(np.ascontiguousarray(acc)), f"{op} {dtype}")
-            done.append(f"{op} {dtype}")
-    ours.close()
+            done.append(f"nccl reduce_scatter {op} {dtype}")
     return done
 
 
@@ -217,22 +216,25 @@ def dead_peer(rank: int, world: int, node_size: int, timeout_s: float) -> dict:
     out = torch.empty(world * n)
     qcoll.quantized_allgather(out, torch.randn(n), ours)  # op 0: every rank joins
     start = time.monotonic()
-    work = qcoll.quantized_allgather(out, torch.randn(n), ours, async_op=True)  # op 1
-    work.wait()  # the host is the null stream: blocks until the watchdog aborted the call
-    elapsed = time.monotonic() - start
-    error = work.exception()
-    raised = None
+    error = raised = None
     try:
-        work.wait()
-    except qcoll.CommunicationError as e:
-        raised = str(e)
+        work = qcoll.quantized_allgather(out, torch.randn(n), ours, async_op=True)  # op 1
+        work.wait()  # the host is the null stream: blocks until the watchdog aborted the call
+        error = type(work.exception()).__name__
+        try:
+            work.wait()
+        except qcoll.CommunicationError as e:
+            raised = str(e)
+    except RuntimeError as e:  # NCCL reported the dead peer already when the call was enqueued
+        error, raised = "at enqueue", str(e)
+    elapsed = time.monotonic() - start
     later = None
     try:
         qcoll.quantized_allgather(out, torch.randn(n), ours)
     except RuntimeError as e:
         later = str(e)
     ours.close()
-    return {"elapsed": elapsed, "error": type(error).__name__, "raised": raised, "later": later}
+    return {"elapsed": elapsed, "error": error, "raised": raised, "later": later}
 
 
 def never_joins(rank: int, world: int, timeout_s: float) -> dict:
@@ -306,4 +308,32 @@ def training(rank: int, world: int, steps: int) -> dict:
         assert losses == want_losses, f"{name}: losses {losses} != {want_losses}"
         _same_state(state, want_state, name)
         out[name] = losses
+    return out
+
+
+def loader(rank: int, world: int, tmp: str) -> dict:
+    """qcoll's unchanged NCCL loader against the stand-in: an explicit QCOLL_NCCL_PATH that
+    does not load, a library without NCCL's symbols, and (no QCOLL_NCCL_PATH) the libnccl.so
+    already mapped into the process, which is reused. A failed load is retried later."""
+    import ctypes
+    import os
+    import shutil
+
+    assert _vgpu.ENABLED
+    standin = os.environ["QCOLL_NCCL_PATH"]
+    out = {}
+    for case, path in (("missing", os.path.join(tmp, "no-such-libnccl.so.2")),
+                       ("not-nccl", os.path.join(os.path.dirname(standin), "libqcoll_cudart_emu.so"))):
+        os.environ["QCOLL_NCCL_PATH"] = path
+        assert qcoll._C.nccl_version() == "", case
+        try:
+            qcoll._C.nccl_unique_id()
+        except RuntimeError as e:
+            out[case] = str(e)
+    del os.environ["QCOLL_NCCL_PATH"]
+    mapped = os.path.join(tmp, "libnccl.so.2")  # the name torch's NCCL has (a copy: the maps
+    shutil.copy(standin, mapped)                 # list a symlink's target)
+    ctypes.CDLL(mapped, mode=ctypes.RTLD_GLOBAL)
+    out["mapped"] = qcoll._C.nccl_version()
+    out["unique_id"] = len(qcoll._C.nccl_unique_id())
     return out

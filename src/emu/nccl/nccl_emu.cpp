@@ -131,6 +131,22 @@ Fault fault_for(int comm_index) {
   return f;
 }
 
+// Whether `pid` still runs: an exited process that its parent has not reaped yet is a
+// zombie, which kill(pid, 0) still finds.
+bool process_alive(int pid) {
+  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return true;  // no procfs: kill's answer stands
+  char buf[512];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* end = std::strrchr(buf, ')');  // "pid (name) state ..."
+  return !(end && end[1] == ' ' && (end[2] == 'Z' || end[2] == 'X'));
+}
+
 struct Comm;
 
 // One transfer of a group: bytes to or from a peer's channel.
@@ -171,7 +187,7 @@ struct Comm {
     if (aborted) return false;
     for (int p = 0; p < nranks; ++p) {
       const int pid = header->pids[p].load();
-      if (p != rank && pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
+      if (p != rank && pid > 0 && !process_alive(pid)) {
         int expected = ncclSuccess;
         state.compare_exchange_strong(expected, ncclRemoteError);
       }
