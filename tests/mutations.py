@@ -199,7 +199,7 @@ def pytest(module: Path, host_path: Path | None = None) -> tuple[int, str, float
 
 def short(failure: str) -> tuple[str, str]:
     test, _, msg = failure.partition(" - ")
-    test = test.replace("tests/", "")
+    test = re.sub(r"^.*?(?=test_\w+\.py)", "", test)  # the file name, whatever path ran it
     msg = re.sub(r"0x[0-9a-f]{6,}", "0x…", msg)
     return test, (msg[:150] + "…") if len(msg) > 150 else msg
 
