@@ -1,5 +1,9 @@
 """qcoll: quantized collectives for sharded data-parallel training."""
 
+from . import _vgpu
+
+_vgpu.install()  # QCOLL_VIRTUAL_GPU=1 (tests): before any module imports _C
+
 from ._version import __version__
 from ._runtime.worker import CommunicationError, Work
 from .all_reduce import quantized_all_reduce

@@ -2,10 +2,16 @@
 
 import torch
 
-from . import _C
+from . import _C, _vgpu
 from .info import _static_info
 
 CPU, CUDA = _C.DEVICE_KINDS["cpu"], _C.DEVICE_KINDS["cuda"]  # the core's DeviceKind codes
+
+
+def on_gpu(device: torch.device) -> bool:
+    """Whether qcoll takes its CUDA branch for tensors on `device` (a CUDA device, or a CPU
+    one under the virtual GPU: _vgpu.py)."""
+    return device.type == "cuda" or _vgpu.on_device(device)
 
 
 def device_args(t: torch.Tensor, what: str) -> tuple:
@@ -13,6 +19,8 @@ def device_args(t: torch.Tensor, what: str) -> tuple:
 
     CUDA work is ordered on the caller's current stream, as torch's own ops are.
     """
+    if t.device.type == "cpu" and _vgpu.on_device(t.device):
+        return CUDA, 0, _vgpu.current_stream().cuda_stream
     if t.device.type == "cpu":
         return CPU, 0, 0
     if t.device.type == "cuda":

@@ -12,6 +12,7 @@ destroyed: a peer may already be gone."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import weakref
 
@@ -57,7 +58,8 @@ def create_nccl_communicator(group, device: torch.device):
     infos = [(problem, uid)]
     if group.size > 1:
         infos = [None] * group.size
-        with torch.cuda.device(device):  # object collectives of an NCCL pg use the current device
+        # Object collectives of an NCCL pg use the current device (none: the virtual GPU's).
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             dist.all_gather_object(infos, (problem, uid), group=group.pg)
     failed = {r: p for r, (p, _) in enumerate(infos) if p is not None}
     if failed:

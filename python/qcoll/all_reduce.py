@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from . import _C, auto
+from ._device import on_gpu
 from ._formats import RAW_CODE
 from ._runtime import args, call
 from ._runtime.steps import AllGather, ReduceScatter, carve, transport_all_reduce
@@ -77,7 +78,7 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     call.debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, rs.intra_code, rs.inter_code,
                          group_size, stages, hierarchical, error_feedback is not None), tensor.device)
 
-    if (rs.unquantized and error_feedback is None and tensor.device.type == "cpu"
+    if (rs.unquantized and error_feedback is None and not on_gpu(tensor.device)
             and call.has_transport_all_reduce(g, tensor.device)):
         return _transport_all_reduce(g, tensor, code, op_code, async_op)
 

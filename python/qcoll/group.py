@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from ._device import on_gpu
 from ._process_groups import destroy_remaining, new_process_group
 from ._runtime.streams import CudaCalls
 from ._runtime.worker import CallQueue
@@ -166,12 +167,12 @@ class Group:
         if self.backend == "torch":
             return False
         if self.backend == "nccl":
-            if device.type != "cuda":
+            if not on_gpu(device):
                 raise ValueError(f"backend='nccl' needs CUDA tensors, got a tensor on {device}")
             return True
         from ._nccl import nccl_available
 
-        return device.type == "cuda" and self.size > 1 and nccl_available()
+        return on_gpu(device) and self.size > 1 and nccl_available()
 
     def __repr__(self) -> str:
         return (f"qcoll.Group(rank={self.rank}, size={self.size}, node_size={self.node_size}, "

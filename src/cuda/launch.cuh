@@ -12,7 +12,9 @@ namespace cuda {
 
 template <auto Kernel, typename... Args>
 void launch(unsigned grid, unsigned block, cudaStream_t stream, const Args&... args) {
-#if defined(QCOLL_CUDA_EMU)
+#if defined(QCOLL_EMU_STREAMS)
+  emu::launch_on<Kernel>(stream, dim3(grid), dim3(block), args...);  // on the emulated stream
+#elif defined(QCOLL_CUDA_EMU)
   (void)stream;  // the emulator runs the grid to completion, in call order
   emu::launch<Kernel>(dim3(grid), dim3(block), args...);
 #else

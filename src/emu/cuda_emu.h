@@ -110,6 +110,11 @@ inline uint4 make_uint4(unsigned int x, unsigned int y, unsigned int z, unsigned
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
 // ---- the runtime calls the launchers make ---------------------------------------------------
+#if defined(QCOLL_EMU_STREAMS)
+// The virtual-GPU build: the emulated CUDA runtime (src/emu/cudart), kernels on its streams.
+#include "emu/cudart/cuda_runtime_api.h"
+#include "emu/stream_launch.h"
+#else
 typedef struct CUstream_st* cudaStream_t;
 enum cudaError_t { cudaSuccess = 0, cudaErrorInvalidDevice = 101 };
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }  // launch errors throw instead
@@ -130,6 +135,8 @@ inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_
   ::qcoll::emu::host_memset(p, value, bytes);
   return cudaSuccess;
 }
+
+#endif  // QCOLL_EMU_STREAMS
 
 // ---- fp16 / bf16: the device's conversions round to nearest even and return the canonical
 // NaN 0x7fff; qcoll/quant_math.h has exactly these for the host, so they are shared. -------

@@ -22,7 +22,11 @@
 namespace qcoll {
 namespace emu {
 
+#if defined(QCOLL_EMU_STREAMS)
+thread_local bool g_in_kernel = false;
+#else
 bool g_in_kernel = false;
+#endif
 
 namespace {
 
@@ -447,6 +451,7 @@ void on_access(const void* p, size_t bytes, bool write, bool natural) {
          " at " + hex(a) + " (the device requires " + std::to_string(bytes) + "-byte alignment)");
   if (a >= r.data_lo && a < r.data_hi) return shared_access(r, a, bytes, write);
   const Buffer* b = buffer_of(r, a, bytes);
+  if (!b && r.config.any_global) return;
   if (!b)
     fail("out-of-bounds global " + std::string(write ? "store" : "load") + " of " +
          std::to_string(bytes) + " bytes at " + hex(a) + "; buffers:" + describe_buffers(r));
@@ -542,7 +547,7 @@ unsigned atomic_max_u32(unsigned* address, unsigned value) {
   Runtime& r = rt();
   const uintptr_t a = reinterpret_cast<uintptr_t>(address);
   if (a % 4) fail("misaligned 4-byte atomicMax at " + hex(a));
-  if (!(a >= r.data_lo && a < r.data_hi) && !buffer_of(r, a, 4))
+  if (!(a >= r.data_lo && a < r.data_hi) && !buffer_of(r, a, 4) && !r.config.any_global)
     fail("out-of-bounds atomicMax at " + hex(a) + "; buffers:" + describe_buffers(r));
   note_write(r, a, 4);
   const unsigned old = *address;  // one block at a time: atomic by construction

@@ -53,6 +53,9 @@ struct Config {
   uint64_t seed = 0;         // random schedule and block sample
   int64_t max_blocks = 0;    // > 0: a launch with more blocks runs a sample of this many
   bool track_writes = false;  // record the global bytes each call writes
+  // Global accesses outside the registered buffers are allowed, unchecked (the virtual-GPU
+  // build qcoll._C_emu: the buffers are the framework's allocations, registered by nobody).
+  bool any_global = false;
 };
 
 // A global buffer a kernel may touch: [base, base + bytes).
@@ -88,7 +91,13 @@ void host_memset(void* p, int value, size_t bytes);  // cudaMemsetAsync, bounds-
 
 // Called for every instrumented load/store of kernel code; `natural`: the access is of a
 // type aligned to its size, so the GPU requires that alignment.
+// Per host thread in the virtual-GPU build, where kernels run on the stream threads while
+// the host runs instrumented launcher code.
+#if defined(QCOLL_EMU_STREAMS)
+extern thread_local bool g_in_kernel;
+#else
 extern bool g_in_kernel;
+#endif
 void on_access(const void* p, size_t bytes, bool write, bool natural);
 
 // ---- launches ---------------------------------------------------------------------------------

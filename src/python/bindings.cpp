@@ -24,6 +24,15 @@
 #include "comm/nccl_comm.h"
 #include "cuda/device_guard.h"
 #endif
+#if defined(QCOLL_EMU_STREAMS)
+#include "emu/cudart/bindings.h"
+#include "emu/runtime.h"
+#endif
+
+// qcoll._C, or qcoll._C_emu: the same core built against the emulated CUDA runtime.
+#if !defined(QCOLL_MODULE_NAME)
+#define QCOLL_MODULE_NAME _C
+#endif
 
 namespace py = pybind11;
 
@@ -332,7 +341,7 @@ bool set_cpu_isa(const std::string& name) {
 
 }  // namespace
 
-PYBIND11_MODULE(_C, m) {
+PYBIND11_MODULE(QCOLL_MODULE_NAME, m) {
   m.doc() = "qcoll core kernels (raw-pointer interface; use the qcoll package instead)";
   qcoll::binding::bind_kernels(
       m, [](const auto& args, auto entry) { entry(args); }, /*release_gil=*/true);
@@ -362,4 +371,10 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ROUNDINGS") = rounding_table();
   m.attr("BUFFERS") = buffer_table();
   m.attr("CALL_KINDS") = call_kind_table();
+#if defined(QCOLL_EMU_STREAMS)
+  qcoll::emu::Config emu_config;
+  emu_config.any_global = true;  // the buffers are torch's allocations: see emu/runtime.h
+  qcoll::emu::configure(emu_config);
+  qcoll::vgpu::bind_virtual_gpu(m);
+#endif
 }

@@ -3,7 +3,11 @@ one at a time, to a copy of the sources, rebuilds only the emulator module (qcol
 from that copy, runs `pytest -m cuda_emu` against it and prints a table of which test
 caught each mutation and how. Every mutation must be caught (exit status 1 otherwise).
 
-    python tests/cuda/mutations.py [--keep DIR] [--only NAME ...]
+--host: the same for qcoll's host GPU path (HOST_MUTATIONS), rebuilding qcoll._C_emu and the
+NCCL stand-in from the copy and running `pytest -m virtual_gpu` with the copy's Python
+package (its compiled modules linked in), so Python mutations need no build.
+
+    python tests/cuda/mutations.py [--host] [--keep DIR] [--only NAME ...]
 
 Takes a few minutes: one full build of the module, then one kernel file per mutation.
 """
@@ -98,6 +102,44 @@ MUTATIONS = [
      "stochastic rounding draws one random number for the whole tensor instead of one per element"),
 ]
 
+# The host GPU path (--host): caught by `pytest -m virtual_gpu`.
+HOST_MUTATIONS = [
+    ("removed-stream-wait", "python/qcoll/_runtime/streams.py",
+     "        stream.wait_event(ready)\n",
+     "",
+     "the communication stream does not wait for the caller's stream before a call"),
+    ("event-on-wrong-stream", "python/qcoll/_runtime/streams.py",
+     "        done.record(stream)\n        if not async_op:",
+     "        done.record(caller)\n        if not async_op:",
+     "a call's completion event is recorded on the caller's stream, not the communication stream"),
+    ("destroy-order-swapped", "python/qcoll/group.py",
+     "            for g in (self._intra, self._inter, self):",
+     "            for g in ((self._intra, self._inter, self) if self.rank % 2 else\n"
+     "                      (self, self._inter, self._intra)):",
+     "close() destroys the family's communicators in an order that differs across ranks"),
+    ("wrong-element-count", "src/comm/nccl_comm.cpp",
+     "QCOLL_NCCL_ENQUEUE(api_.ncclAllGather(send.ptr, recv.ptr, static_cast<size_t>(bytes),",
+     "QCOLL_NCCL_ENQUEUE(api_.ncclAllGather(send.ptr, recv.ptr, static_cast<size_t>(bytes) - 1,",
+     "the NCCL all-gather moves one byte per rank too few"),
+    ("missing-group-end", "src/comm/nccl_comm.cpp",
+     "    c_.settle(c_.api_.ncclGroupEnd(), \"ncclGroupEnd()\", __FILE__, __LINE__);",
+     "    c_.settle(ncclSuccess, \"ncclGroupEnd()\", __FILE__, __LINE__);",
+     "the all-to-all's NCCL group is never ended (its sends and receives never run)"),
+    ("watchdog-never-aborts", "src/comm/nccl_comm.cpp",
+     "      record_failure(why);\n      abort_locked();\n      return;",
+     "      record_failure(why);\n      return;",
+     "the watchdog records a timeout but never aborts the communicator"),
+    ("lane-joined-too-early", "src/cuda/stream_lanes.cu",
+     "    QCOLL_CUDA_CHECK(cudaEventRecord(event_, streams_.inter));\n"
+     "    QCOLL_CUDA_CHECK(cudaStreamWaitEvent(caller_stream(), event_, 0));\n",
+     "",
+     "join() makes the caller wait for the intra-node lane only"),
+    ("capture-mode-left-global", "src/comm/nccl_comm.cpp",
+     "  cudaStreamCaptureMode mode = cudaStreamCaptureModeThreadLocal;",
+     "  cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;",
+     "the watchdog queries events in the global capture mode (invalidates another thread's capture)"),
+]
+
 
 def run(cmd, **kw):
     return subprocess.run(cmd, check=True, text=True, **kw)
@@ -113,28 +155,51 @@ def configure(src: Path, build: Path) -> None:
          f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={build / 'out'}"], stdout=subprocess.DEVNULL)
 
 
-def build(build_dir: Path) -> Path:
+def build(build_dir: Path, host: bool = False) -> Path:
     jobs = os.environ.get("QCOLL_BUILD_JOBS", "2")
-    run(["cmake", "--build", str(build_dir), "--target", "_cuda_emu", "--parallel", jobs],
+    targets = ["_C_emu", "nccl_emu"] if host else ["_cuda_emu"]
+    run(["cmake", "--build", str(build_dir), "--target", *targets, "--parallel", jobs],
         stdout=subprocess.DEVNULL)
-    return next((build_dir / "out").glob("_cuda_emu*.so"))
+    if not host:
+        return next((build_dir / "out").glob("_cuda_emu*.so"))
+    return build_dir / "out"
 
 
-def pytest(module: Path) -> tuple[int, str, float]:
+def host_package(src: Path, out: Path) -> Path:
+    """The copy's python/ with the installed qcoll's compiled modules and the freshly built
+    virtual-GPU ones linked into its package; returns the directory for PYTHONPATH."""
+    import qcoll
+
+    package = src / "python" / "qcoll"
+    installed = Path(qcoll.__file__).parent
+    for so in list(installed.glob("*.so")) + list(out.glob("*.so")):
+        link = package / so.name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(so)
+    return src / "python"
+
+
+def pytest(module: Path, host_path: Path | None = None) -> tuple[int, str, float]:
     """(exit status, the first failure's test and message, seconds)."""
     env = dict(os.environ, QCOLL_EMU_MODULE=str(module), OMP_NUM_THREADS="1",
                COLUMNS="1000")  # pytest cuts its summary lines at the terminal width
+    marker = "cuda_emu"
+    if host_path is not None:
+        env = dict(os.environ, PYTHONPATH=str(host_path), OMP_NUM_THREADS="1", COLUMNS="1000")
+        marker = "virtual_gpu"
     t = time.time()
-    p = subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "tests"), "-m", "cuda_emu",
+    p = subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "tests"), "-m", marker,
                         "-x", "-q", "-p", "no:cacheprovider", "-rf", "--tb=line"],
-                       env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                       env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       cwd=str(host_path.parent if host_path else ROOT))
     failed = [l for l in p.stdout.splitlines() if l.startswith("FAILED ")]
     return p.returncode, failed[0][len("FAILED "):] if failed else "", time.time() - t
 
 
 def short(failure: str) -> tuple[str, str]:
     test, _, msg = failure.partition(" - ")
-    test = test.replace("tests/", "")
+    test = re.sub(r"^.*?(?=test_\w+\.py)", "", test)  # the file name, whatever path ran it
     msg = re.sub(r"0x[0-9a-f]{6,}", "0x…", msg)
     return test, (msg[:150] + "…") if len(msg) > 150 else msg
 
@@ -143,25 +208,29 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keep", help="work directory to keep (default: a temporary one)")
     ap.add_argument("--only", nargs="*", help="mutation names to run")
+    ap.add_argument("--host", action="store_true", help="the host GPU path's mutations")
     args = ap.parse_args()
+    mutations = HOST_MUTATIONS if args.host else MUTATIONS
     work = Path(args.keep or tempfile.mkdtemp(prefix="qcoll-mutations-"))
     src = work / "src-copy"
     if src.exists():
         shutil.rmtree(src)
     src.mkdir(parents=True)
-    for part in ("CMakeLists.txt", "include", "src"):
+    for part in ("CMakeLists.txt", "cmake", "include", "src", "python"):
         (shutil.copytree if (ROOT / part).is_dir() else shutil.copy)(ROOT / part, src / part)
     configure(src, work / "build")
 
-    module = build(work / "build")
-    status, failure, secs = pytest(module)
+    module = build(work / "build", args.host)
+    host_path = host_package(src, module) if args.host else None
+    status, failure, secs = pytest(module, host_path)
+    marker = "virtual_gpu" if args.host else "cuda_emu"
     if status != 0:
-        print(f"the unmutated sources fail the emulator tests: {failure}")
+        print(f"the unmutated sources fail the {marker} tests: {failure}")
         return 1
-    print(f"baseline: pytest -m cuda_emu passes on the unmutated copy ({secs:.0f} s)")
+    print(f"baseline: pytest -m {marker} passes on the unmutated copy ({secs:.0f} s)")
 
     rows, missed = [], []
-    for name, rel, old, new, what in MUTATIONS:
+    for name, rel, old, new, what in mutations:
         if args.only and name not in args.only:
             continue
         path = src / rel
@@ -169,8 +238,8 @@ def main() -> int:
         assert text.count(old) == 1, f"{name}: the original text must occur once in {rel}"
         path.write_text(text.replace(old, new))
         try:
-            module = build(work / "build")
-            status, failure, secs = pytest(module)
+            module = build(work / "build", args.host)
+            status, failure, secs = pytest(module, host_path)
         finally:
             path.write_text(text)
         caught = status != 0
@@ -181,7 +250,7 @@ def main() -> int:
             missed.append(name)
         print(f"{name}: {'caught by ' + test if caught else 'NOT CAUGHT'} ({secs:.0f} s)",
               flush=True)
-    build(work / "build")  # leave the build matching the unmutated copy
+    build(work / "build", args.host)  # leave the build matching the unmutated copy
 
     print("\n| mutation | file | what it breaks | caught | first failing test | message |")
     print("|---|---|---|---|---|---|")

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .._device import device_args
+from .._device import device_args, on_gpu
 from .steps import CallContext
 from .worker import Work
 
@@ -47,7 +47,7 @@ def debug_check(group, meta: tuple, device: torch.device) -> None:
     forbids (the eager warm-up calls before the capture are checked)."""
     if os.environ.get("QCOLL_DEBUG", "0") in ("", "0") or group.size == 1:
         return
-    if device.type == "cuda" and group._cuda.capturing(device):
+    if on_gpu(device) and group._cuda.capturing(device):
         return
     drain(group)
     metas = [None] * group.size
@@ -83,7 +83,7 @@ def run(what: str, group, input: torch.Tensor, output: torch.Tensor, workspace_b
     if not output.is_inference():
         torch.autograd.graph.increment_version(output)
     device = input.device
-    if device.type == "cuda":
+    if on_gpu(device):
         group._calls.drain()  # CPU calls issued earlier on this family go first
     comm = group.communicator(device)
     kind, index, _ = device_args(input, "input")
@@ -91,7 +91,7 @@ def run(what: str, group, input: torch.Tensor, output: torch.Tensor, workspace_b
     traffic = _C.Traffic()
     describe = Describe(what, group, sequence)
 
-    if device.type == "cuda":
+    if on_gpu(device):
         def enqueue(stream, lane, workspace):
             launch(CallContext(comm, kind, index, stream.cuda_stream, lane.cuda_stream, sequence, traffic),
                    workspace)

@@ -11,6 +11,7 @@ import functools
 import torch
 
 from .. import _C
+from .._device import on_gpu
 from .buffers import CallBuffers
 
 # Smallest pipeline stage (input bytes of one partition's slice) worth its exchanges;
@@ -50,7 +51,7 @@ class AllGather:
     __slots__ = ("plan", "code")
 
     def __init__(self, g, n: int, code: int, wire_format: int, group_size: int, device: torch.device):
-        self.plan = _all_gather_plan(g.size, n, code, wire_format, group_size, device.type == "cpu")
+        self.plan = _all_gather_plan(g.size, n, code, wire_format, group_size, not on_gpu(device))
         self.code = code
 
     def run(self, ctx: CallContext, input, output, workspace, traffic=None, collective="allgather"):
@@ -72,7 +73,7 @@ class ReduceScatter:
                  group_size: int, stages: int, hierarchical, device: torch.device, hadamard_size: int = 0):
         hier = -1 if hierarchical is None else int(hierarchical)
         self.plan = _reduce_scatter_plan(g.size, g.node_size, n, code, intra_format, inter_format,
-                                         group_size, stages, hier, device.type == "cpu", MIN_STAGE_BYTES,
+                                         group_size, stages, hier, not on_gpu(device), MIN_STAGE_BYTES,
                                          hadamard_size)
         self.code, self.op = code, op
         two_hop = self.plan.two_hop

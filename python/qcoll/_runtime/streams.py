@@ -46,7 +46,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .. import _C
+from .. import _C, _vgpu
 from .worker import CommunicationError
 
 
@@ -75,6 +75,11 @@ class TorchCuda:
 
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _default_runtime():
+    """torch.cuda, or the virtual GPU's emulated streams (_vgpu.py)."""
+    return _vgpu.EmuCuda() if _vgpu.ENABLED else TorchCuda()
 
 
 class CudaCall:
@@ -133,7 +138,7 @@ class CudaCalls:
     """A Group family's streams, workspaces and async calls in flight, per CUDA device."""
 
     def __init__(self, runtime=None):
-        self._rt = runtime if runtime is not None else TorchCuda()
+        self._rt = runtime if runtime is not None else _default_runtime()
         self._streams: dict = {}  # device -> (communication stream, lane stream)
         self._workspaces: dict = {}  # device -> the eager calls' workspace (uint8)
         self._captures: dict = {}  # (device, capture id) -> that graph's workspaces, newest last

@@ -1,0 +1,338 @@
+"""What each rank runs under the virtual GPU (virtual_gpu.py launches them; the checks are
+in test_virtual_gpu.py). Every function returns plain data; a failed check raises.
+
+The reference of every quantized call is the same call over the torch backend (gloo) on
+the CPU branch (_vgpu.cpu_branch), in the same process: qcoll's NCCL driver, streams and
+kernels (emulated) must give the same bits."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+import qcoll
+from tests.support import reference as ref
+from qcoll import _nccl, _vgpu
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _groups(node_size: int, timeout_s: float = 60.0):
+    from datetime import timedelta
+
+    ours = qcoll.new_group(None, node_size=node_size, backend="nccl",
+                           timeout=timedelta(seconds=timeout_s))
+    gloo = qcoll.new_group(None, node_size=node_size, backend="torch")
+    return ours, gloo
+
+
+def _comms(group) -> list:
+    """The group family's NCCL communicators created so far."""
+    return [g._nccl_comm for g in (group, group._intra, group._inter)
+            if g is not None and g._nccl_comm is not None]
+
+
+def _check_setup() -> str:
+    assert _vgpu.ENABLED and qcoll._C.__name__ == "qcoll._C_emu", qcoll._C.__name__
+    qcoll.collectives._MIN_STAGE_BYTES = 0  # every requested pipeline stage runs (stream lanes)
+    version = _nccl.nccl_version()
+    assert version == "2.28.3", f"expected the NCCL stand-in, got {version!r}"
+    return version
+
+
+def collectives(rank: int, world: int, node_size: int) -> dict:
+    """The four collectives over qcoll's NCCL driver == over gloo, bit for bit."""
+    version = _check_setup()
+    ours, gloo = _groups(node_size)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    n = 1237  # odd: partial groups and unaligned chunk tails
+    checked = []
+
+    def same(make, call, what):
+        got, want = make(), make()
+        call(got, ours)
+        with _vgpu.cpu_branch():
+            call(want, gloo)
+        ref.assert_same_bits(got, want, what)
+        checked.append(what)
+
+    for dtype in DTYPES:
+        x = torch.randn(n, generator=gen).to(dtype)
+        for bits in (8, 4, None):
+            same(lambda: torch.full((world * n,), float("nan"), dtype=dtype),
+                 lambda out, g: qcoll.quantized_allgather(out, x, g, bits=bits),
+                 f"allgather bits={bits} {dtype}")
+        inp = (torch.randn(world * n, generator=gen) * 3).to(dtype)
+        variants = [dict(intra_bits=8, inter_bits=4),
+                    dict(intra_bits=4, inter_bits=8, pipeline_stages=2, hierarchical=True),
+                    dict(intra_bits=None, inter_bits=8),
+                    dict(intra_bits=8, inter_bits=4, hierarchical=False)]
+        for op in ("sum", "avg"):
+            for kw in variants if dtype == torch.float32 else variants[:1]:
+                same(lambda: torch.full((n,), float("nan"), dtype=dtype),
+                     lambda out, g: qcoll.quantized_reduce_scatter(out, inp, g, op=op, **kw),
+                     f"reduce_scatter {op} {kw} {dtype}")
+        # bits=None, one hop: NCCL's own reduce-scatter; integer values: exact either way.
+        ints = torch.randint(-8, 9, (world * n,), generator=gen).to(dtype)
+        same(lambda: torch.full((n,), float("nan"), dtype=dtype),
+             lambda out, g: qcoll.quantized_reduce_scatter(out, ints, g, op="sum", intra_bits=None,
+                                                           inter_bits=None, hierarchical=False),
+             f"reduce_scatter raw {dtype}")
+        t0 = (torch.randn(world * n + 5, generator=gen) * 2).to(dtype)
+        same(lambda: t0.clone(), lambda t, g: qcoll.quantized_all_reduce(t, g, bits=8, inter_bits=4),
+             f"all_reduce {dtype}")
+        old = torch.randn(world * n, generator=torch.Generator().manual_seed(7)).to(dtype)
+        shard = (old[rank * n:(rank + 1) * n].float() + 0.01 * torch.randn(n, generator=gen)).to(dtype)
+        same(lambda: old.clone(), lambda full, g: qcoll.delta_allgather(full, shard, g, bits=8),
+             f"delta_allgather {dtype}")
+    checked += _nccl_reductions(rank, world, ours)
+    comms = _comms(ours)
+    ops = sum(c.ops_enqueued for c in comms)
+    assert len(comms) == 3 if world > node_size else 1, comms
+    start = time.monotonic()
+    ours.close()  # finalize meets the peers: quick when every rank destroys in one order
+    assert time.monotonic() - start < 10.0, f"close() took {time.monotonic() - start:.1f} s"
+    assert not _nccl._live_comms, "close() must destroy the family's NCCL communicators"
+    return {"version": version, "checked": checked, "nccl_ops": ops}
+
+
+def _nccl_reductions(rank: int, world: int, ours) -> list:
+    """The stand-in's own reduce-scatter (bits=None, one hop) of random fp16/fp32 values:
+    NCCL's ring order with a rounding per step, against numpy."""
+    n = 301
+    done = []
+    for dtype, npt in ((torch.float16, np.float16), (torch.float32, np.float32)):
+        inputs = [torch.randn(world * n, generator=torch.Generator().manual_seed(r)).to(dtype) * 50
+                  for r in range(world)]
+        for op in ("sum", "avg"):
+            out = torch.empty(n, dtype=dtype)
+            qcoll.quantized_reduce_scatter(out, inputs[rank], ours, op=op, intra_bits=None,
+                                           inter_bits=None, hierarchical=False)
+            blocks = [inputs[p][rank * n:(rank + 1) * n].numpy() for p in range(world)]
+            scale = npt(1.0 / world)
+            order = [(rank + k) % world for k in range(1, world + 1)]
+            acc = None
+            for p in order:
+                x = blocks[p] * scale if op == "avg" else blocks[p]  # numpy rounds per op
+                acc = x if acc is None else (acc + x).astype(npt)
+            ref.assert_same_bits(out, torch.from_numpy(np.ascontiguousarray(acc)), f"{op} {dtype}")
+            done.append(f"nccl reduce_scatter {op} {dtype}")
+    return done
+
+
+def async_calls(rank: int, world: int, node_size: int) -> dict:
+    """async_op=True returns before the call completes, several calls stay in flight and
+    wait() orders the caller after each; a caller stream's pending work is waited for."""
+    _check_setup()
+    ours, gloo = _groups(node_size)
+    n = 1000
+    xs = [torch.randn(n, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(3)]
+    qcoll.quantized_allgather(torch.empty(world * n), xs[0], ours)  # warm-up: communicators
+    want = []
+    with _vgpu.cpu_branch():
+        for x in xs:
+            w = torch.empty(world * n)
+            qcoll.quantized_allgather(w, x, gloo)
+            want.append(w)
+    torch.distributed.barrier()
+    if rank == world - 1:
+        time.sleep(3.0)  # the others' calls cannot complete before this rank joins
+    outs = [torch.full((world * n,), float("nan")) for _ in xs]
+    start = time.monotonic()
+    works = [qcoll.quantized_allgather(o, x, ours, async_op=True) for o, x in zip(outs, xs)]
+    issued = time.monotonic() - start
+    pending = [not w.is_completed() for w in works]
+    for w in reversed(works):
+        w.wait()
+    for i, (o, w) in enumerate(zip(outs, want)):
+        ref.assert_same_bits(o, w, f"async allgather {i}")
+    # The caller's own stream: a slow copy fills the input there; the call must wait for it.
+    side = _vgpu.Stream()
+    staged = torch.randn(n, generator=torch.Generator().manual_seed(99 + rank))
+    x = torch.zeros(n)
+    out = torch.full((world * n,), float("nan"))
+    with _vgpu.stream(side):
+        _vgpu._C.vgpu_sleep(side.cuda_stream, 0.3)
+        _vgpu._C.vgpu_memcpy_async(x.data_ptr(), staged.data_ptr(), 4 * n, side.cuda_stream)
+        qcoll.quantized_allgather(out, x, ours)
+    side.synchronize()
+    want_staged = torch.empty(world * n)
+    with _vgpu.cpu_branch():
+        qcoll.quantized_allgather(want_staged, staged, gloo)
+    ref.assert_same_bits(out, want_staged, "allgather after the caller stream's copy")
+    ours.close()
+    return {"issued_s": issued, "pending": pending}
+
+
+def graph_replay(rank: int, world: int, node_size: int) -> list:
+    """CUDA-graph capture of the collectives, replayed on new data == eager == gloo."""
+    _check_setup()
+    ours, gloo = _groups(node_size)
+    n = 1237
+    x, ag = torch.randn(n), torch.empty(world * n)
+    rs_in, rs = torch.randn(world * n), torch.empty(n)
+    kw = dict(intra_bits=8, inter_bits=4, pipeline_stages=2)
+    qcoll.quantized_allgather(ag, x, ours, bits=8)  # warm-up, as before torch.cuda.graph
+    qcoll.quantized_reduce_scatter(rs, rs_in, ours, **kw)
+    # An eager call still in flight while the capture runs (the last rank joins it late):
+    # the watchdog queries its event meanwhile, which must not touch the capture.
+    torch.distributed.barrier()
+    if rank == world - 1:
+        time.sleep(0.3)
+    eager = qcoll.quantized_allgather(torch.empty(world * n), x, ours, async_op=True)
+    graph = _vgpu.Graph()
+    with graph.capture():
+        qcoll.quantized_allgather(ag, x, ours, bits=8)
+        qcoll.quantized_reduce_scatter(rs, rs_in, ours, **kw)
+        time.sleep(0.05)  # a few watchdog ticks inside the capture
+    eager.wait()
+    done = []
+    for step in range(2):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x.copy_(torch.randn(n, generator=gen))
+        rs_in.copy_(torch.randn(world * n, generator=gen))
+        ag.fill_(float("nan"))
+        rs.fill_(float("nan"))
+        graph.replay()
+        want_ag, want_rs = torch.empty(world * n), torch.empty(n)
+        with _vgpu.cpu_branch():
+            qcoll.quantized_allgather(want_ag, x, gloo, bits=8)
+            qcoll.quantized_reduce_scatter(want_rs, rs_in, gloo, **kw)
+        ref.assert_same_bits(ag, want_ag, f"replay {step} allgather")
+        ref.assert_same_bits(rs, want_rs, f"replay {step} reduce_scatter")
+        done.append(step)
+    ours.close()
+    return done
+
+
+def dead_peer(rank: int, world: int, node_size: int, timeout_s: float) -> dict:
+    """QCOLL_NCCL_EMU_FAULT makes one rank die or stall in its second all-gather: every
+    other rank's call fails within the timeout through the watchdog."""
+    _check_setup()
+    ours, _ = _groups(node_size, timeout_s)
+    n = 1000
+    out = torch.empty(world * n)
+    qcoll.quantized_allgather(out, torch.randn(n), ours)  # op 0: every rank joins
+    start = time.monotonic()
+    error = raised = None
+    try:
+        work = qcoll.quantized_allgather(out, torch.randn(n), ours, async_op=True)  # op 1
+        work.wait()  # the host is the null stream: blocks until the watchdog aborted the call
+        error = type(work.exception()).__name__
+        try:
+            work.wait()
+        except qcoll.CommunicationError as e:
+            raised = str(e)
+    except RuntimeError as e:  # NCCL reported the dead peer already when the call was enqueued
+        error, raised = "at enqueue", str(e)
+    elapsed = time.monotonic() - start
+    later = None
+    try:
+        qcoll.quantized_allgather(out, torch.randn(n), ours)
+    except RuntimeError as e:
+        later = str(e)
+    ours.close()
+    return {"elapsed": elapsed, "error": error, "raised": raised, "later": later}
+
+
+def never_joins(rank: int, world: int, timeout_s: float) -> dict:
+    """One rank never joins ncclCommInitRankConfig: the creation fails on every rank
+    within the timeout and the half-made communicators are aborted."""
+    _check_setup()
+    ours, _ = _groups(2, timeout_s)
+    start = time.monotonic()
+    error = None
+    try:
+        qcoll.quantized_allgather(torch.empty(world * 10), torch.randn(10), ours)
+    except RuntimeError as e:
+        error = str(e)
+    elapsed = time.monotonic() - start
+    ours.close()
+    return {"elapsed": elapsed, "error": error, "live": len(_nccl._live_comms)}
+
+
+def exit_with_live_communicators(rank: int, world: int) -> str:
+    """The process exits with its communicators alive (no close()): atexit aborts them."""
+    _check_setup()
+    ours, _ = _groups(2)
+    out = torch.empty(world * 100)
+    qcoll.quantized_reduce_scatter(torch.empty(100), torch.randn(world * 100), ours)
+    qcoll.quantized_allgather(out, torch.randn(100), ours, async_op=True)
+    return "exiting"
+
+
+def _same_state(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for k in a:
+        ref.assert_same_bits(a[k].float(), b[k].float(), f"{what}: {k}")
+
+
+def training(rank: int, world: int, steps: int) -> dict:
+    """The DDP hook, the FSDP2 plug-in and the ZeRO engine train a few quantized steps
+    with their collectives over qcoll's NCCL driver: the same losses and parameters, bit
+    for bit, as with the collectives over gloo on the CPU branch."""
+    import functools
+
+    from tests.plugins import test_ddp, test_fsdp
+    from tests.support import zero_helpers
+    from qcoll.zero import ZeroConfig, ZeroEngine
+
+    _check_setup()
+    out = {}
+
+    def ddp():
+        r = test_ddp._train(rank, world, "qcoll", steps, shape=(20, 1, 36))
+        return r["losses"], r["params"]
+
+    def fsdp():
+        model = test_fsdp._build("qcoll", world, node_size=2, reshard=2, shape=(20, 1, 36))
+        losses, _ = test_fsdp._train(model, steps, rank, world)
+        return losses, test_fsdp._full_params(model)
+
+    def zero():
+        group = qcoll.new_group(node_size=2)
+        torch.manual_seed(0)
+        engine = ZeroEngine(zero_helpers.OddNet(), zero_helpers.OptimizerFactory("adamw"), group,
+                            config=ZeroConfig())
+        batch = functools.partial(zero_helpers.oddnet_batch, batch_size=4 * world)
+        losses = zero_helpers.train_engine(engine, batch, steps, rank, world)
+        return losses, engine.full_state_dict()
+
+    for name, train in (("ddp", ddp), ("fsdp", fsdp), ("zero", zero)):
+        losses, state = train()
+        with _vgpu.cpu_branch():
+            want_losses, want_state = train()
+        assert losses == want_losses, f"{name}: losses {losses} != {want_losses}"
+        _same_state(state, want_state, name)
+        out[name] = losses
+    return out
+
+
+def loader(rank: int, world: int, tmp: str) -> dict:
+    """qcoll's unchanged NCCL loader against the stand-in: an explicit QCOLL_NCCL_PATH that
+    does not load, a library without NCCL's symbols, and (no QCOLL_NCCL_PATH) the libnccl.so
+    already mapped into the process, which is reused. A failed load is retried later."""
+    import ctypes
+    import os
+    import shutil
+
+    assert _vgpu.ENABLED
+    standin = os.environ["QCOLL_NCCL_PATH"]
+    out = {}
+    for case, path in (("missing", os.path.join(tmp, "no-such-libnccl.so.2")),
+                       ("not-nccl", os.path.join(os.path.dirname(standin), "libqcoll_cudart_emu.so"))):
+        os.environ["QCOLL_NCCL_PATH"] = path
+        assert qcoll._C.nccl_version() == "", case
+        try:
+            qcoll._C.nccl_unique_id()
+        except RuntimeError as e:
+            out[case] = str(e)
+    del os.environ["QCOLL_NCCL_PATH"]
+    mapped = os.path.join(tmp, "libnccl.so.2")  # the name torch's NCCL has (a copy: the maps
+    shutil.copy(standin, mapped)                 # list a symlink's target)
+    ctypes.CDLL(mapped, mode=ctypes.RTLD_GLOBAL)
+    out["mapped"] = qcoll._C.nccl_version()
+    out["unique_id"] = len(qcoll._C.nccl_unique_id())
+    return out
