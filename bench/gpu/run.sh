@@ -4,7 +4,8 @@
 #
 #   bash bench/gpu/run.sh [OUT_DIR]        (OUT_DIR defaults to $OUT, else ./gpu-out)
 #
-# Steps: machine facts; build qcoll with its CUDA kernels; import; a 2-rank NCCL smoke test
+# Steps: machine facts; build qcoll with its CUDA kernels; how its modules linked the C++
+# runtime (bench/gpu/link_report.py); import; a 2-rank NCCL smoke test
 # (60 s); every test marked gpu (pytest -m gpu: the kernels, the NCCL transport, streams,
 # CUDA graphs, failure detection); compute-sanitizer
 # memcheck and racecheck over the CUDA kernel tests; the `kernels` suite on CUDA; the
@@ -103,6 +104,9 @@ if [[ ${QCOLL_GPU_DRY_RUN:-0} == 1 ]]; then
 else
   step machine 60 bash -c 'nvidia-smi; nvcc --version; python3 -V; python3 -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(), torch.cuda.nccl.version())"; nproc; compute-sanitizer --version | tail -1'
   step build 300 python3 -m pip install --no-build-isolation --no-deps -e . -q
+  # How the modules linked the C++ runtime (compilers, NEEDED, the linker's libstdc++ files):
+  # the first GPU build's module carried a static libstdc++ and crashed in iostreams.
+  step link_report 60 python3 bench/gpu/link_report.py
   step import 60 python3 -c "import json, qcoll; i = qcoll.build_info(); print(json.dumps(i)); assert i['cuda_available'], 'no CUDA in this build'; assert i['nccl'], 'qcoll cannot load NCCL'"
   pytest_step smoke_nccl 60 50 tests/cuda/test_nccl.py -k smoke
   pytest_step tests_gpu 300 120 "${GPU_TESTS[@]}"

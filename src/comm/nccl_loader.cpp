@@ -119,10 +119,9 @@ const NcclApi& nccl_api() {
 std::string nccl_version_name(int code) {
   // NCCL_VERSION(X,Y,Z): X*1000+Y*100+Z up to 2.8, X*10000+Y*100+Z from 2.9 on.
   const bool old = code < 10000;
-  std::ostringstream os;
-  os << (old ? code / 1000 : code / 10000) << "." << (old ? code % 1000 : code % 10000) / 100
-     << "." << code % 100;
-  return os.str();
+  return std::to_string(old ? code / 1000 : code / 10000) + "." +
+         std::to_string((old ? code % 1000 : code % 10000) / 100) + "." +
+         std::to_string(code % 100);
 }
 
 std::string nccl_version_string() {

@@ -102,7 +102,7 @@ def test_sdist_builds_everything(dist):
         names = {n[len(top):] for n in t.getnames() if n.startswith(top)}
     needed = {"pyproject.toml", "CMakeLists.txt", "README.md", "requirements.txt",
               "python/qcoll/_version.py"}
-    for folder in ("src", "include", "python/qcoll"):
+    for folder in ("src", "include", "cmake", "python/qcoll"):
         needed |= {p.relative_to(ROOT).as_posix() for p in (ROOT / folder).rglob("*")
                    if p.is_file() and "__pycache__" not in p.parts}
     assert needed <= names, sorted(needed - names)

@@ -1,0 +1,106 @@
+"""The built modules use the shared C++ runtime and carry none of it (cmake/check_cxx_runtime.py,
+run by CMake after each link). qcoll's first GPU build linked a libstdc++.a into _C: no NEEDED
+libstdc++.so.6, std::ostream members defined in the module, and std::ostringstream crashed in
+the first error message once torch's libstdc++ was loaded. The check itself is tested on tiny
+libraries linked both ways, and so is CMakeLists.txt's remedy: the compiler's libstdc++.so
+named ahead of a libstdc++.a that the search path would otherwise find first."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("check_cxx_runtime",
+                                               ROOT / "cmake" / "check_cxx_runtime.py")
+check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(check)
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not shutil.which("readelf"),
+                                reason="needs Linux and readelf (binutils)")
+CXX = shutil.which(os.environ.get("CXX", "g++"))
+
+FORMATS = r"""
+#include <sstream>
+#include <string>
+extern "C" int formatted_length(long v) {
+  std::ostringstream os;
+  os << v << "." << v % 100;
+  return static_cast<int>(os.str().size());
+}
+"""
+
+
+@pytest.mark.parametrize("name", ["qcoll._C", "qcoll._cuda_emu"])
+def test_module_needs_the_shared_runtime_and_defines_none_of_it(name):
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        pytest.skip(f"{name} not built")
+    needed = check.needed(spec.origin)
+    assert any(dep.startswith(check.RUNTIME_SONAMES) for dep in needed), needed
+    ostream = [s for s in check.defined_dynamic_symbols(spec.origin)
+               if s.startswith(("_ZNSo", "_ZNKSo"))]  # std::basic_ostream<char> members
+    assert ostream == []
+    assert check.problems(spec.origin) == []
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    if CXX is None:
+        pytest.skip("no C++ compiler")
+    path = tmp_path_factory.mktemp("cxx_runtime") / "formats.cpp"
+    path.write_text(FORMATS)
+    return path
+
+
+def _link(source: Path, out: str, *flags: str) -> str:
+    """A shared library of `source` built the way pybind11 builds the modules (-flto)."""
+    target = source.parent / out
+    subprocess.run([CXX, "-O2", "-fPIC", "-flto", "-shared", str(source), *flags, "-o",
+                    str(target)], check=True, capture_output=True, timeout=120)
+    return str(target)
+
+
+def _compiler_file(name: str) -> str:
+    return subprocess.run([CXX, f"-print-file-name={name}"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def test_check_passes_a_shared_runtime_and_fails_a_static_one(source):
+    shared = _link(source, "shared.so")
+    assert check.problems(shared) == []
+    static = _link(source, "static.so", "-static-libstdc++")
+    found = check.problems(static)
+    assert len(found) == 2 and "needs no shared C++ runtime" in found[0], found
+    assert "_ZNSo9_M_insertIlEERSoT_" in check.defined_dynamic_symbols(static)
+    assert check.main([shared, "--delete"]) == 0 and os.path.exists(shared)
+    # --delete (CMake's POST_BUILD): a failing module is not left for an install to take.
+    assert check.main([static, "--delete"]) == 1 and not os.path.exists(static)
+
+
+@pytest.mark.parametrize("cause", ["archive first on the search path", "-static-libstdc++"])
+def test_runtime_named_by_path_keeps_it_shared(source, cause):
+    archive = Path(_compiler_file("libstdc++.a"))
+    runtime = _compiler_file("libstdc++.so")
+    if not archive.is_absolute() or not os.path.isabs(runtime):
+        pytest.skip("the compiler names no libstdc++.a / libstdc++.so")
+    if cause == "-static-libstdc++":
+        flags = ["-static-libstdc++"]
+    else:
+        # A directory holding only libstdc++.a, searched before the compiler's own (as the
+        # CUDA toolkit's -L directories are): g++'s implicit -lstdc++ takes the archive.
+        early = source.parent / "early"
+        early.mkdir(exist_ok=True)
+        shutil.copy(archive, early / "libstdc++.a")
+        flags = [f"-L{early}"]
+    assert check.problems(_link(source, "bad.so", *flags))
+    # CMakeLists.txt's remedy (qcoll_python_module_runtime): the compiler's libstdc++.so by
+    # path, kept even where --as-needed would drop it.
+    remedy = ["-Wl,--push-state,--no-as-needed", runtime, "-Wl,--pop-state"]
+    assert check.problems(_link(source, "good.so", *flags, *remedy)) == []
