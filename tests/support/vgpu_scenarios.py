@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 import qcoll
+import qcoll._runtime.steps
 from tests.support import reference as ref
 from qcoll import _nccl, _vgpu
 
@@ -36,7 +37,7 @@ def _comms(group) -> list:
 
 def _check_setup() -> str:
     assert _vgpu.ENABLED and qcoll._C.__name__ == "qcoll._C_emu", qcoll._C.__name__
-    qcoll.collectives._MIN_STAGE_BYTES = 0  # every requested pipeline stage runs (stream lanes)
+    qcoll._runtime.steps.MIN_STAGE_BYTES = 0  # every requested pipeline stage runs (stream lanes)
     version = _nccl.nccl_version()
     assert version == "2.28.3", f"expected the NCCL stand-in, got {version!r}"
     return version
