@@ -4,7 +4,7 @@ QCOLL_VIRTUAL_GPU=1 in the environment before qcoll is imported (README "The GPU
 on the CPU"):
 
 - qcoll._C is qcoll._C_emu, the same core built against an emulated CUDA runtime
-  (src/emu/cudart), whose CUDA host code (NCCL communicators, their watchdog, stream lanes)
+  (src/testing/emu/cudart), whose CUDA host code (NCCL communicators, their watchdog, stream lanes)
   and kernels (run by the SIMT emulator) execute on emulated streams;
 - NCCL is the stand-in libnccl_emu.so next to it (unless QCOLL_NCCL_PATH names another),
   which qcoll's loader loads like any libnccl;

@@ -1,4 +1,4 @@
-// One launch syntax for nvcc and for the CPU emulator (src/emu), so that the kernels stay a
+// One launch syntax for nvcc and for the CPU emulator (src/testing/emu), so that the kernels stay a
 // single source: launch<kernel>(grid, block, stream, args...) is
 // kernel<<<grid, block, 0, stream>>>(args...) followed by the launch-error check.
 #pragma once

@@ -1,6 +1,6 @@
 // The kernel entry points as Python calls them (raw pointers, sizes, dtype codes, device and
 // stream), shared by qcoll._C (bindings.cpp) and the CUDA emulator's module
-// (src/emu/bindings.cpp), so that both take exactly the same arguments. `run(args, entry)`
+// (src/testing/emu/bindings.cpp), so that both take exactly the same arguments. `run(args, entry)`
 // calls entry(args): _C directly, the emulator after registering the buffers the call may
 // touch.
 #pragma once

@@ -1,6 +1,6 @@
 """The emulator itself: warp shuffles and barriers compute what CUDA defines, and every check
 fires on a kernel that breaks its rule, naming the kernel, block and thread
-(src/emu/selftest_kernels.cpp), under both schedules."""
+(src/testing/emu/selftest_kernels.cpp), under both schedules."""
 
 import pytest
 import torch
@@ -34,7 +34,7 @@ def test_block_sum_through_shared_memory_and_barriers(schedule):
     assert out == [256 * 257 // 2] * 768
 
 
-# Checks on each memory access (src/emu/access_hooks.cpp).
+# Checks on each memory access (src/testing/emu/access_hooks.cpp).
 ACCESS_CHECKS = {"shared_race", "shared_uninitialized", "misaligned_vector", "global_race",
                  "out_of_bounds"}
 

@@ -1,4 +1,4 @@
-"""The CUDA emulator module (qcoll._cuda_emu, src/emu) as a cuda_cases.Backend.
+"""The CUDA emulator module (qcoll._cuda_emu, src/testing/emu) as a cuda_cases.Backend.
 
 QCOLL_EMU_MODULE=/path/to/_cuda_emu*.so loads another build of it (tests/cuda/mutations.py and
 tests/cuda/emu_asan.sh use this for mutated and AddressSanitizer builds)."""

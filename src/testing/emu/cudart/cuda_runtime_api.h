@@ -1,6 +1,6 @@
 // The CUDA runtime API that qcoll's host code calls (src/comm/nccl_comm.cpp,
 // src/cuda/stream_lanes.cu, src/cuda/quantize.cu's launchers, the bindings), emulated on the
-// CPU for the virtual-GPU build qcoll._C_emu, and only that (src/emu/cudart/runtime.cpp):
+// CPU for the virtual-GPU build qcoll._C_emu, and only that (src/testing/emu/cudart/runtime.cpp):
 //  - streams are in-order queues, each executed by its own host thread, so work on two
 //    streams runs concurrently and a missing event wait is a real race;
 //  - the null stream is the calling host thread: work enqueued there runs at once, and a

@@ -1,6 +1,6 @@
 // What the emulated CUDA runtime offers the emulator's own parts (not a CUDA API): work
-// enqueued on a stream by the kernel launcher (src/emu/stream_launch.h) and by the NCCL
-// stand-in (src/emu/nccl). Exported by libqcoll_cudart_emu.so.
+// enqueued on a stream by the kernel launcher (src/testing/emu/stream_launch.h) and by the NCCL
+// stand-in (src/testing/emu/nccl). Exported by libqcoll_cudart_emu.so.
 #pragma once
 
 #include <functional>

@@ -1,6 +1,6 @@
 // Kernel launches of the virtual-GPU build (qcoll._C_emu): the launch's arguments are
 // packed as emu::launch packs them, and the grid runs on the launch's emulated stream
-// (src/emu/cudart), in that stream's order; a capture records it, a replay runs it again.
+// (src/testing/emu/cudart), in that stream's order; a capture records it, a replay runs it again.
 // The executor runs one grid at a time, whichever stream it comes from.
 #pragma once
 

@@ -5,7 +5,7 @@
 // Ranks are separate processes. A communicator is a POSIX shared-memory segment named in
 // the unique id: a header (members joined, their pids, finalize count) and one channel per
 // ordered pair of ranks, a single-slot queue of up to kChunk bytes. Operations are enqueued
-// on the caller's emulated CUDA stream (src/emu/cudart) and run there in stream order, as
+// on the caller's emulated CUDA stream (src/testing/emu/cudart) and run there in stream order, as
 // NCCL's kernels do; a stream's operation blocks that stream until its peers take part (or
 // the communicator is aborted). Semantics kept from NCCL:
 //  - ncclCommInitRankConfig with blocking = 0 returns ncclInProgress at once; joining is

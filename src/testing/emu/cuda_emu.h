@@ -3,8 +3,8 @@
 // rounding intrinsics, vector types, and the few runtime calls of the launchers. Semantics
 // are what the CUDA C++ Programming Guide guarantees; the executor is runtime.h.
 //
-// Included (through the shims in src/emu/shim) by the kernel sources compiled for the
-// emulator, src/emu/kernels_*.cpp, which define __CUDA_ARCH__ so that every shared
+// Included (through the shims in src/testing/emu/shim) by the kernel sources compiled for the
+// emulator, src/testing/emu/kernels_*.cpp, which define __CUDA_ARCH__ so that every shared
 // host/device helper (qcoll/quant_math.h) takes its device branch, as nvcc's device pass does.
 #pragma once
 
@@ -18,7 +18,7 @@
 #include "emu/runtime.h"
 
 #if !defined(__CUDA_ARCH__)
-#error "emulated kernels are compiled through src/emu/kernels_*.cpp (device branch selected)"
+#error "emulated kernels are compiled through src/testing/emu/kernels_*.cpp (device branch selected)"
 #endif
 // __fadd_rn & co. below are plain float operations: they are the IEEE single-precision
 // operations only with SSE-style arithmetic (no x87 excess precision) and no FMA
@@ -111,7 +111,7 @@ inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z,
 
 // ---- the runtime calls the launchers make ---------------------------------------------------
 #if defined(QCOLL_EMU_STREAMS)
-// The virtual-GPU build: the emulated CUDA runtime (src/emu/cudart), kernels on its streams.
+// The virtual-GPU build: the emulated CUDA runtime (src/testing/emu/cudart), kernels on its streams.
 #include "emu/cudart/cuda_runtime_api.h"
 #include "emu/stream_launch.h"
 #else
