@@ -24,7 +24,10 @@ from qcoll.fsdp import MIN_TORCH
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = re.search(r'__version__ = "([^"]+)"',
                     (ROOT / "python/qcoll/_version.py").read_text()).group(1)
-MODULES = ("_C", "_cuda_emu")  # what CMakeLists.txt installs into the package
+MODULES = ("_C", "_cuda_emu", "_C_emu")  # the extension modules CMake installs into the package
+# The virtual GPU's shared libraries beside them (cmake/virtual_gpu.cmake): _C_emu links the
+# emulated CUDA runtime, which qcoll's NCCL loader finds next to the stand-in.
+LIBRARIES = ("libqcoll_cudart_emu.so", "libnccl_emu.so")
 
 
 def _run(cmd, **kw) -> subprocess.CompletedProcess:
@@ -72,7 +75,7 @@ def test_wheel_holds_the_package_and_its_modules(dist):
     assert {n for n in names if n.endswith(".py")} == sources
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     compiled = {n for n in names if n.endswith(".so")}
-    assert compiled == {f"qcoll/{m}{suffix}" for m in MODULES}
+    assert compiled == {f"qcoll/{m}{suffix}" for m in MODULES} | {f"qcoll/{lib}" for lib in LIBRARIES}
 
 
 def test_wheel_metadata(dist):
@@ -146,4 +149,17 @@ def test_wheel_installs_and_runs_in_a_fresh_venv(dist, tmp_path):
         """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     p = _run([python, "-c", check], cwd=tmp_path, env=env)  # cwd: no source tree on sys.path
+    assert p.stdout.strip().endswith("ok")
+    # The virtual GPU's build (it replaces _C, so in a process of its own): it loads from the
+    # venv with its emulated CUDA runtime, and the NCCL loader finds the stand-in beside it.
+    vgpu = textwrap.dedent(f"""
+        from pathlib import Path
+        import qcoll
+        from qcoll import _nccl
+        assert qcoll._C.__name__ == "qcoll._C_emu", qcoll._C.__name__
+        assert Path({str(venv)!r}).resolve() in Path(qcoll._C.__file__).resolve().parents
+        assert _nccl.nccl_available(), "the NCCL stand-in did not load"
+        print("ok")
+        """)
+    p = _run([python, "-c", vgpu], cwd=tmp_path, env={**env, "QCOLL_VIRTUAL_GPU": "1"})
     assert p.stdout.strip().endswith("ok")
