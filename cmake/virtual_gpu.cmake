@@ -12,7 +12,10 @@ if(NOT QCOLL_VGPU)
   return()
 endif()
 
+# Each library links the shared C++ runtime first (CMakeLists.txt: qcoll_shared_cxx_runtime);
+# on the GPU image's compiler _C_emu otherwise took libstdc++.a.
 add_library(qcoll_cudart_emu SHARED src/testing/emu/cudart/runtime.cpp)
+qcoll_shared_cxx_runtime(qcoll_cudart_emu)
 target_include_directories(qcoll_cudart_emu PUBLIC src/testing/emu/cudart PRIVATE src src/testing)
 target_compile_options(qcoll_cudart_emu PRIVATE -O2 -Wall -Wextra)
 find_package(Threads REQUIRED)
@@ -20,6 +23,7 @@ target_link_libraries(qcoll_cudart_emu PUBLIC Threads::Threads)
 set_target_properties(qcoll_cudart_emu PROPERTIES INSTALL_RPATH "$ORIGIN")
 
 add_library(nccl_emu SHARED src/testing/emu/nccl/nccl_emu.cpp)
+qcoll_shared_cxx_runtime(nccl_emu)
 target_include_directories(nccl_emu PRIVATE include src src/testing)
 target_compile_options(nccl_emu PRIVATE -O2 -ffp-contract=off -Wall -Wextra)
 target_link_libraries(nccl_emu PRIVATE qcoll_cudart_emu rt)
@@ -40,6 +44,7 @@ pybind11_add_module(_C_emu NO_EXTRAS
   src/testing/emu/stream_launch.cpp
   ${QCOLL_VGPU_KERNELS}
 )
+qcoll_shared_cxx_runtime(_C_emu)
 string(REPLACE ";" ", " QCOLL_CUDA_ARCH_LIST "${QCOLL_CUDA_ARCHS}")
 configure_file(src/cuda/build_config.h.in
                ${CMAKE_CURRENT_BINARY_DIR}/vgpu_generated/qcoll_cuda_build_config.h)

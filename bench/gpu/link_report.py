@@ -95,9 +95,12 @@ def main(argv: list[str]) -> int:
     for var in ENV_VARS:
         if var in os.environ:
             print(f"env {var}={os.environ[var]}")
-    for lib in ("libstdc++.so", "libstdc++.a"):
+    for lib in ("libstdc++.so", "libstdc++.so.6", "libstdc++.a"):
         path = _run([cxx, f"-print-file-name={lib}"]).strip()
-        print(f"{cxx} -print-file-name={lib}: {path} -> {os.path.realpath(path)}")
+        # A bare name back means the compiler found no such file; a dangling link is as bad.
+        where = (os.path.realpath(path) if os.path.exists(path) else "MISSING or dangling") \
+            if os.path.isabs(path) else "not found by the compiler"
+        print(f"{cxx} -print-file-name={lib}: {path} -> {where}")
     ninja_file = build / "build.ninja"
     # The modules CMake links (the check deletes one that fails it, so read them off the rules).
     modules = re.findall(r"^build (_\w+\.[^:\s]*\.so):", ninja_file.read_text(), re.M) \

@@ -37,17 +37,32 @@ extern "C" int formatted_length(long v) {
 """
 
 
-@pytest.mark.parametrize("name", ["qcoll._C", "qcoll._cuda_emu"])
-def test_module_needs_the_shared_runtime_and_defines_none_of_it(name):
-    spec = importlib.util.find_spec(name)
-    if spec is None:
+def _installed(name: str) -> str:
+    """The path of module `qcoll.X` or of library `libX.so` installed beside qcoll's modules."""
+    if name.startswith("qcoll."):
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            pytest.skip(f"{name} not built")
+        return spec.origin
+    spec = importlib.util.find_spec("qcoll._C")
+    path = Path(spec.origin).with_name(name) if spec else None
+    if path is None or not path.exists():
         pytest.skip(f"{name} not built")
-    needed = check.needed(spec.origin)
+    return str(path)
+
+
+# The virtual GPU's module and libraries too: on the GPU image's compiler, whose unversioned
+# libstdc++.so was missing, _C_emu linked libstdc++.a while _C did not.
+@pytest.mark.parametrize("name", ["qcoll._C", "qcoll._cuda_emu", "qcoll._C_emu",
+                                  "libqcoll_cudart_emu.so", "libnccl_emu.so"])
+def test_module_needs_the_shared_runtime_and_defines_none_of_it(name):
+    path = _installed(name)
+    needed = check.needed(path)
     assert any(dep.startswith(check.RUNTIME_SONAMES) for dep in needed), needed
-    ostream = [s for s in check.defined_dynamic_symbols(spec.origin)
+    ostream = [s for s in check.defined_dynamic_symbols(path)
                if s.startswith(("_ZNSo", "_ZNKSo"))]  # std::basic_ostream<char> members
     assert ostream == []
-    assert check.problems(spec.origin) == []
+    assert check.problems(path) == []
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +115,56 @@ def test_runtime_named_by_path_keeps_it_shared(source, cause):
         shutil.copy(archive, early / "libstdc++.a")
         flags = [f"-L{early}"]
     assert check.problems(_link(source, "bad.so", *flags))
-    # CMakeLists.txt's remedy (qcoll_python_module_runtime): the compiler's libstdc++.so by
+    # CMakeLists.txt's remedy (qcoll_shared_cxx_runtime): the compiler's libstdc++.so by
     # path, kept even where --as-needed would drop it.
     remedy = ["-Wl,--push-state,--no-as-needed", runtime, "-Wl,--pop-state"]
     assert check.problems(_link(source, "good.so", *flags, *remedy)) == []
+
+
+def _find_runtime(compiler: Path, dirs: list[Path]) -> str:
+    """cmake/cxx_runtime.cmake's answer (what CMakeLists.txt links) for `compiler`."""
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("no cmake")
+    out = subprocess.run([cmake, f"-DCOMPILER={compiler}", f"-DDIRS={';'.join(map(str, dirs))}",
+                          "-P", str(ROOT / "cmake" / "cxx_runtime.cmake")],
+                         check=True, capture_output=True, text=True, timeout=60)
+    return out.stderr.strip()  # message() without a mode writes to stderr
+
+
+def test_runtime_found_past_a_dangling_link_name(tmp_path):
+    """The GPU image's g++ (/opt/gcc) had a dangling libstdc++.so and printed the bare name
+    for -print-file-name=libstdc++.so; the system's libstdc++.so.6 must be found instead."""
+    real = Path(_compiler_file("libstdc++.so.6")).resolve()
+    if not real.is_absolute() or not real.exists():
+        pytest.skip("the compiler names no libstdc++.so.6")
+    gcc_dir, system_dir = tmp_path / "gcc", tmp_path / "system"
+    gcc_dir.mkdir()
+    system_dir.mkdir()
+    (gcc_dir / "libstdc++.so").symlink_to(tmp_path / "missing" / "libstdc++.so.6")
+    (gcc_dir / "libstdc++.a").write_bytes(b"")
+    (system_dir / "libstdc++.so.6").symlink_to(real)
+    compiler = tmp_path / "g++"
+    # Answers -print-file-name like that g++: the dangling link's path, else the bare name.
+    compiler.write_text("#!/bin/sh\ncase \"$1\" in\n"
+                        f"  -print-file-name=libstdc++.so) echo {gcc_dir}/libstdc++.so ;;\n"
+                        "  -print-file-name=*) echo \"${1#-print-file-name=}\" ;;\nesac\n")
+    compiler.chmod(0o755)
+    assert _find_runtime(compiler, [gcc_dir, system_dir]) == f"{system_dir}/libstdc++.so.6"
+    assert _find_runtime(compiler, [gcc_dir]) == ""  # none: CMakeLists links as g++ does
+    # The real compiler: its libstdc++.so (or .so.6), a file that exists.
+    found = _find_runtime(Path(CXX), [])
+    assert os.path.isabs(found) and Path(found).resolve() == real
+
+
+def test_versioned_soname_is_as_good_a_remedy(source):
+    """What the GPU image's build links: libstdc++.so.6 by path, with the archive first on the
+    search path for g++'s implicit -lstdc++."""
+    archive, runtime = Path(_compiler_file("libstdc++.a")), _compiler_file("libstdc++.so.6")
+    if not archive.is_absolute() or not os.path.isabs(runtime):
+        pytest.skip("the compiler names no libstdc++.a / libstdc++.so.6")
+    early = source.parent / "early6"
+    early.mkdir(exist_ok=True)
+    shutil.copy(archive, early / "libstdc++.a")
+    remedy = ["-Wl,--push-state,--no-as-needed", runtime, "-Wl,--pop-state"]
+    assert check.problems(_link(source, "good6.so", f"-L{early}", *remedy)) == []
