@@ -71,27 +71,32 @@ def _gpu_kernel_rates():
             key = r["kernel"]
             if key not in best or (r["dtype"] == "bf16", r["bytes"]) > (best[key]["dtype"] == "bf16", best[key]["bytes"]):
                 best[key] = r
-        itemsize = {"fp32": 4, "bf16": 2, "fp16": 2}
         try:
-            rate = lambda k: best[k]["gbps"] * 1e9 / itemsize[best[k]["dtype"]]  # noqa: E731
-            rates = {f: KernelRate(rate(f"quantize {f}"), rate(f"dequantize {f}")) for f in FORMATS}
-            rates[RAW] = KernelRate(rate("copy"), rate("copy"))
+            # Each kernel's measured bandwidth, charged with the bytes the model counts.
+            rates = _rates(lambda kind, fmt: best["copy" if kind == "copy" else f"{kind} {fmt}"]["gbps"] * 1e9)
             return rates, f"measured: {os.path.relpath(path, RESULTS)}"
         except KeyError:
             continue
     return None
 
 
-def hbm_kernel_rates(hbm: float = HBM_BYTES_S) -> dict:
-    """Elements/s at HBM_FRACTION of HBM bandwidth: encode reads bf16 (2 B) and writes the
-    code; decode reads the code and reads + writes an fp32 accumulator (8 B); raw: a 2-byte
-    copy, and an add reading bf16 and the fp32 accumulator and writing it (10 B)."""
+def _rates(bandwidth) -> dict:
+    """Elements/s of each format's kernels from the bytes/s each moves, bandwidth(kind, format)
+    with kind quantize / dequantize / copy: encode reads bf16 (2 B) and writes the code;
+    decode reads the code and reads + writes an fp32 accumulator (8 B); raw: a 2-byte copy
+    (4 B), and an add reading bf16 and the fp32 accumulator and writing it (10 B)."""
     rates = {}
     for name, info in FORMATS.items():
         code = info["bits"] / 8
-        rates[name] = KernelRate(HBM_FRACTION * hbm / (2 + code), HBM_FRACTION * hbm / (code + 8))
-    rates[RAW] = KernelRate(HBM_FRACTION * hbm / 4, HBM_FRACTION * hbm / 10)
+        rates[name] = KernelRate(bandwidth("quantize", name) / (2 + code),
+                                 bandwidth("dequantize", name) / (code + 8))
+    rates[RAW] = KernelRate(bandwidth("copy", RAW) / 4, bandwidth("copy", RAW) / 10)
     return rates
+
+
+def hbm_kernel_rates(hbm: float = HBM_BYTES_S) -> dict:
+    """Every kernel at HBM_FRACTION of HBM bandwidth (no GPU measurement)."""
+    return _rates(lambda kind, fmt: HBM_FRACTION * hbm)
 
 
 def gpu_model(gpus: int, per_node: int, inter_gbit: float, intra_gbit: float = INTRA_GBIT,

@@ -121,3 +121,27 @@ def test_project_result_line():
                                      "agoq_allreduce_200g", "agoq_allreduce_10g"}
     assert all(p["projected"] > 1 for p in result["papers"].values())
     assert "HBM" in result["assumptions"]["kernel_rates"] or "measured" in result["assumptions"]["kernel_rates"]
+
+
+def test_project_charges_measured_bandwidth_with_the_models_bytes(tmp_path, monkeypatch):
+    """A GPU result where every kernel ran at the same bandwidth B gives the rates of the HBM
+    model at B: the kernels suite's GB/s counts bytes read + written, so the projection may
+    not divide it by the input's element size alone (it did, 1.5x to 2x too fast)."""
+    sys.path.insert(0, ROOT)
+    from bench.suites import project
+
+    bandwidth = 1.2e12
+    rows = [dict(device="cuda", kernel=k, dtype="bf16", bytes=256 << 20, gbps=bandwidth / 1e9)
+            for k in ["copy"] + [f"{kind} {f}" for kind in ("quantize", "dequantize")
+                                 for f in project.FORMATS]]
+    (tmp_path / "gpu-results-test.json").write_text(json.dumps({"kernels_cuda": {"rows": rows}}))
+    monkeypatch.setattr(project, "RESULTS", str(tmp_path))
+    rates, source = project._gpu_kernel_rates()
+    assert source == "measured: gpu-results-test.json"
+    want = project.hbm_kernel_rates(bandwidth / project.HBM_FRACTION)
+    assert set(rates) == set(want)
+    for name, rate in rates.items():
+        assert abs(rate.encode - want[name].encode) < 1e-6 * want[name].encode, name
+        assert abs(rate.decode - want[name].decode) < 1e-6 * want[name].decode, name
+    int8 = project.FORMATS["int8"]["bits"] / 8
+    assert abs(rates["int8"].encode - bandwidth / (2 + int8)) < 1  # bf16 in, int8 out
