@@ -22,6 +22,14 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A collective's transport failed: a peer died or timed out, or the communicator was aborted
+// for it (maps to qcoll.CommunicationError, a RuntimeError: the one type for every transport,
+// whether the failure is seen when the call is enqueued or later through its Work).
+class CommunicationError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 template <typename... Args>
 std::string concat(const char* file, int line, Args&&... args) {

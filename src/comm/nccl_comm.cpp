@@ -60,7 +60,7 @@ class NcclCommunicator::Enqueue {
  public:
   Enqueue(NcclCommunicator& c, const Device& dev) : c_(c), lock_(c.call_mu_) {
     QCOLL_CHECK(c_.comm_ != nullptr, "NCCL communicator was destroyed or aborted");
-    if (c_.failed_) throw Error(c_.error());
+    if (c_.failed_) throw CommunicationError(c_.error());
     QCOLL_ARG_CHECK(dev.kind == DeviceKind::kCUDA && dev.index == c_.device_,
                     "NCCL communicator of cuda:", c_.device_, " got buffers on ",
                     dev.kind == DeviceKind::kCUDA ? "cuda:" : "cpu:", dev.index);
@@ -147,7 +147,7 @@ NcclCommunicator::NcclCommunicator(const std::string& unique_id, int rank, int s
     }
     if (comm_) api_.ncclCommAbort(comm_);
     comm_ = nullptr;
-    throw Error(why);
+    throw CommunicationError(why);
   }
   watchdog_ = std::thread([this] { watchdog_loop(); });
 }
@@ -189,7 +189,7 @@ void NcclCommunicator::settle(ncclResult_t result, const char* expr, const char*
     }
   }
   record_failure(why);
-  throw Error(error());
+  throw CommunicationError(error());
 }
 
 void NcclCommunicator::record_failure(const std::string& why) {

@@ -1,7 +1,8 @@
 // The one binding file: Python passes raw pointers (tensor.data_ptr()), sizes, dtype codes
 // and a stream handle; no framework header is included, so any framework can call in.
 // qcoll::ArgumentError derives from std::invalid_argument, which pybind11 raises as
-// ValueError; other qcoll errors become RuntimeError.
+// ValueError; qcoll::CommunicationError becomes the module's CommunicationError (qcoll's,
+// a RuntimeError); other qcoll errors become RuntimeError.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -342,6 +343,10 @@ bool set_cpu_isa(const std::string& name) {
 }  // namespace
 
 PYBIND11_MODULE(QCOLL_MODULE_NAME, m) {
+  // The class qcoll.CommunicationError is: the Python transports raise it as well.
+  auto& communication_error =
+      py::register_exception<qcoll::CommunicationError>(m, "CommunicationError", PyExc_RuntimeError);
+  communication_error.attr("__module__") = "qcoll";
   m.doc() = "qcoll core kernels (raw-pointer interface; use the qcoll package instead)";
   qcoll::binding::bind_kernels(
       m, [](const auto& args, auto entry) { entry(args); }, /*release_gil=*/true);

@@ -56,12 +56,14 @@ def test_dead_or_stalled_peer_fails_every_survivor_within_the_timeout(fault):
             continue
         assert r["elapsed"] < timeout_s + 3.0, r
         # The call's Work raises CommunicationError; a dead peer that NCCL already reports
-        # when the call is enqueued makes the call itself raise.
-        assert r["error"] == "CommunicationError" or (fault == "die" and r["error"] == "at enqueue"), r
+        # when the call is enqueued makes the call itself raise it (the same type).
+        assert r["error"] == "CommunicationError" or (
+            fault == "die" and r["error"] == "at enqueue: CommunicationError"), r
         # A dead peer is NCCL's asynchronous remote error; a stalled one, the timeout.
         why = "remote process exited" if fault == "die" else "did not complete within the timeout"
         assert r["raised"] and why in r["raised"], r
         assert r["later"] and "NCCL communicator aborted" in r["later"], r
+        assert r["later_type"] == "CommunicationError", r
 
 
 def test_init_that_never_completes_is_bounded_and_aborted():
@@ -70,6 +72,7 @@ def test_init_that_never_completes_is_bounded_and_aborted():
                           env={1: {"QCOLL_NCCL_EMU_FAULT": "never_join"}}, timeout=90)
     for r in results:
         assert r["error"] and "did not all join within the timeout" in r["error"], r
+        assert r["error_type"] == "CommunicationError", r
         assert r["elapsed"] < timeout_s + 3.0, r
         assert r["live"] == 0, r
 

@@ -227,15 +227,16 @@ def dead_peer(rank: int, world: int, node_size: int, timeout_s: float) -> dict:
         except qcoll.CommunicationError as e:
             raised = str(e)
     except RuntimeError as e:  # NCCL reported the dead peer already when the call was enqueued
-        error, raised = "at enqueue", str(e)
+        error, raised = f"at enqueue: {type(e).__name__}", str(e)
     elapsed = time.monotonic() - start
-    later = None
+    later = later_type = None
     try:
         qcoll.quantized_allgather(out, torch.randn(n), ours)
     except RuntimeError as e:
-        later = str(e)
+        later, later_type = str(e), type(e).__name__
     ours.close()
-    return {"elapsed": elapsed, "error": error, "raised": raised, "later": later}
+    return {"elapsed": elapsed, "error": error, "raised": raised, "later": later,
+            "later_type": later_type}
 
 
 def never_joins(rank: int, world: int, timeout_s: float) -> dict:
@@ -244,14 +245,15 @@ def never_joins(rank: int, world: int, timeout_s: float) -> dict:
     _check_setup()
     ours, _ = _groups(2, timeout_s)
     start = time.monotonic()
-    error = None
+    error = error_type = None
     try:
         qcoll.quantized_allgather(torch.empty(world * 10), torch.randn(10), ours)
     except RuntimeError as e:
-        error = str(e)
+        error, error_type = str(e), type(e).__name__
     elapsed = time.monotonic() - start
     ours.close()
-    return {"elapsed": elapsed, "error": error, "live": len(_nccl._live_comms)}
+    return {"elapsed": elapsed, "error": error, "error_type": error_type,
+            "live": len(_nccl._live_comms)}
 
 
 def exit_with_live_communicators(rank: int, world: int) -> str:

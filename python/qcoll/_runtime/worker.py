@@ -19,9 +19,12 @@ import torch
 from .. import _C
 
 
-class CommunicationError(RuntimeError):
-    """A collective failed in its transport: a peer died, timed out or left the group
-    unusable. The message names the qcoll call and the exchange that failed."""
+# One class for every transport failure, defined by the core so that its NCCL driver raises
+# it too (at enqueue, at communicator creation) and not a bare RuntimeError.
+CommunicationError = _C.CommunicationError
+CommunicationError.__doc__ = """A collective failed in its transport: a peer died, timed out or
+left the group unusable (a RuntimeError). The message names the qcoll call and the exchange
+that failed."""
 
 
 class Work:
