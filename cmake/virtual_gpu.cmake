@@ -54,7 +54,8 @@ target_compile_definitions(_C_emu PRIVATE QCOLL_WITH_CUDA QCOLL_EMU_STREAMS
                            QCOLL_MODULE_NAME=_C_emu QCOLL_VERSION="${QCOLL_VERSION}")
 target_link_libraries(_C_emu PRIVATE qcoll_cpu_kernels qcoll_cudart_emu ${CMAKE_DL_LIBS})
 target_compile_options(_C_emu PRIVATE -O2 -ffp-contract=off -Wall -Wextra -Wno-psabi)
-set_target_properties(_C_emu PROPERTIES INSTALL_RPATH "$ORIGIN" BUILD_RPATH "$ORIGIN")
+set_target_properties(_C_emu PROPERTIES INSTALL_RPATH "$ORIGIN" BUILD_RPATH "$ORIGIN"
+                      CXX_VISIBILITY_PRESET hidden VISIBILITY_INLINES_HIDDEN ON)
 # The kernel sources keep the emulator's options (CMakeLists.txt: emu_kernel_options).
 if(QCOLL_VGPU_COVERAGE)  # tests/cuda/vgpu_coverage.py: line coverage of the host GPU code
   set_property(SOURCE src/testing/emu/cudart/host_nccl_comm.cpp src/testing/emu/cudart/host_stream_lanes.cpp

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,21 @@ extern "C" int formatted_length(long v) {
   return static_cast<int>(os.str().size());
 }
 """
+
+
+@pytest.mark.parametrize("name", ["qcoll._C", "qcoll._cuda_emu", "qcoll._C_emu"])
+def test_module_exports_none_of_qcolls_own_symbols(name):
+    """The core is built with hidden visibility: a module's dynamic symbol table holds its
+    PyInit, not qcoll's functions (which another library in the process could otherwise bind
+    to or clash with)."""
+    path = _installed(name)
+    exported = check.defined_dynamic_symbols(path)
+    # Entities of namespace qcoll: functions, statics of its functions, guard variables,
+    # typeinfo / vtables (a std:: template instantiated on a qcoll type stays exported: the
+    # standard library's headers give namespace std default visibility).
+    own = [s for s in exported if re.match(r"_Z(?:Z|GVZ|T[ISV])?NK?5qcoll", s)]
+    assert own == [], own[:10]
+    assert f"PyInit_{name.rpartition('.')[2]}" in exported
 
 
 def _installed(name: str) -> str:
