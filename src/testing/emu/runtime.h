@@ -8,7 +8,8 @@
 //  - shared-memory races (two threads touch a byte between two barriers, one writing) and
 //    reads of shared memory not written in the block;
 //  - global-memory races: a byte one thread writes, touched by another thread of the same
-//    launch (atomics aside; not checked when only a sample of the blocks runs);
+//    launch, or written after another thread read it (atomics aside; not checked when only
+//    a sample of the blocks runs);
 //  - accesses not aligned to their size (a 16-byte uint4 load at an address % 16 != 0);
 //  - global accesses outside the buffers registered for the call (the kernel contract's
 //    extents), and launch configurations CUDA rejects.
