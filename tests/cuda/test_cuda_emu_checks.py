@@ -108,7 +108,7 @@ def test_grid_sample_runs_first_last_and_seeded_blocks():
     codes = torch.randint(0, 256, (n,), dtype=torch.uint8)
     scales = torch.ones(n // 256)
     y = be.dequantize(codes, scales, None, n, 8, 256, torch.float32)
-    (_, grid, _, run), = EMU.last_call()["launches"]
+    (_, grid, _, run, _), = EMU.last_call()["launches"]
     assert (grid, run) == (40, 6)
     ranges = be.written(y)
     block = 256 * 8 * 4  # output bytes of one block

@@ -83,6 +83,7 @@ struct Runtime {
 
   // The launch in progress.
   const KernelCall* call = nullptr;
+  dim3 grid;  // as run: call->grid, or capped by config.grid_cap
   std::string kernel;
   unsigned nthreads = 0;
   uint3 block{0, 0, 0};
@@ -487,7 +488,7 @@ uint3 thread_idx() {
 }
 uint3 block_idx() { return rt().block; }
 dim3 block_dim() { return rt().call->block; }
-dim3 grid_dim() { return rt().call->grid; }
+dim3 grid_dim() { return rt().grid; }
 
 void sync_threads(const char* file, int line) {
   Runtime& r = rt();
@@ -618,7 +619,10 @@ void run(const KernelCall& call) {
   }
   r.kernel = kernel_name(call.signature);
   const uint64_t threads = uint64_t{call.block.x} * call.block.y * call.block.z;
-  const uint64_t blocks = uint64_t{call.grid.x} * call.grid.y * call.grid.z;
+  dim3 grid = call.grid;
+  const uint64_t cap = static_cast<uint64_t>(r.config.grid_cap);
+  if (cap && grid.y == 1 && grid.z == 1 && grid.x > cap) grid.x = static_cast<unsigned>(cap);
+  const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
   if (threads == 0 || threads > kMaxThreads || blocks == 0 || call.grid.y > 65535 ||
       call.grid.z > 65535 || call.grid.x > 0x7fffffffu)
     throw EmuError("cuda_emu: invalid launch configuration of kernel " + r.kernel + ": grid (" +
@@ -626,6 +630,7 @@ void run(const KernelCall& call) {
                    std::to_string(call.grid.z) + "), block of " + std::to_string(threads) +
                    " threads (cudaErrorInvalidConfiguration)");
   r.call = &call;
+  r.grid = grid;
   r.nthreads = static_cast<unsigned>(threads);
   while (r.stacks.size() < threads) r.stacks.push_back(new_stack());
   r.fibers.assign(threads, Fiber{});
@@ -651,12 +656,11 @@ void run(const KernelCall& call) {
   } done;
   for (uint64_t b : ids)
     run_block(r,
-              uint3{static_cast<unsigned>(b % call.grid.x),
-                    static_cast<unsigned>(b / call.grid.x % call.grid.y),
-                    static_cast<unsigned>(b / (uint64_t{call.grid.x} * call.grid.y))},
+              uint3{static_cast<unsigned>(b % grid.x), static_cast<unsigned>(b / grid.x % grid.y),
+                    static_cast<unsigned>(b / (uint64_t{grid.x} * grid.y))},
               b);
-  r.launches.push_back(LaunchRecord{r.kernel, call.grid, call.block,
-                                    static_cast<int64_t>(ids.size())});
+  r.launches.push_back(LaunchRecord{r.kernel, grid, call.block, static_cast<int64_t>(ids.size()),
+                                    call.grid.x});
 }
 
 }  // namespace emu
