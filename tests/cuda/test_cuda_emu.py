@@ -99,53 +99,57 @@ def _kernels_in_sources():
     return {k for f in root.glob("*.cu*") for k in re.findall(pattern, f.read_text())}
 
 
-P = cases.FP8
-# (id, grid cap, the call, the kernels (name prefixes) whose grid-stride loops must wrap).
+def _x(n, dtype, group_size):
+    return make_values(n, dtype, "normal", group_size)
+
+
+# (id, the call, the kernels (name prefixes) whose grid-stride loops must wrap under GRID_CAP).
 # team_reduce's shared partials are reused by a block's next unit in team-128-lanes and
 # split (team_kernel with 128 and 256 lanes). finalize_kernel runs a thread per group of
 # more than 8192 elements, so it wraps only past GRID_CAP x 256 such groups (6.3M elements).
 LOOPING = [
-    ("team-1-lane", GRID_CAP, lambda be: cases.check_quantize(
-        be, torch.randn(8 * 256 * GRID_CAP + 9), bits=8, group_size=8), ["team_kernel"]),
-    ("team-128-lanes", GRID_CAP, lambda be: cases.check_quantize(
-        be, torch.randn(4096 * 2 * GRID_CAP + 4103).bfloat16(), bits=4, group_size=4096,
+    ("team-1-lane", lambda be: cases.check_quantize(
+        be, _x(8 * 256 * GRID_CAP + 9, torch.float32, 8), bits=8, group_size=8), ["team_kernel"]),
+    ("team-128-lanes", lambda be: cases.check_quantize(
+        be, _x(4096 * 2 * GRID_CAP + 4103, torch.bfloat16, 4096), bits=4, group_size=4096,
         symmetric=False), ["team_kernel"]),
-    ("split", GRID_CAP, lambda be: cases.check_quantize(
-        be, torch.randn(65536 + 4103).half(), bits=P, group_size=65536),
+    ("split", lambda be: cases.check_quantize(
+        be, _x(65536 + 4103, torch.float16, 65536), bits=cases.FP8, group_size=65536),
      ["team_kernel<qcoll::CodeFormat::kFp8E4M3, Pass::kStats",
       "team_kernel<qcoll::CodeFormat::kFp8E4M3, Pass::kCode"]),
-    ("dequantize", GRID_CAP, lambda be: cases.check_quantize(
-        be, torch.randn(8 * 256 * GRID_CAP + 5), bits=4, group_size=64,
+    ("dequantize", lambda be: cases.check_quantize(
+        be, _x(8 * 256 * GRID_CAP + 5, torch.float32, 64), bits=4, group_size=64,
         out_dtypes=(torch.float16,)), ["elementwise_kernel"]),
-    ("encode", GRID_CAP, lambda be: cases.check_encode_big(
+    ("encode", lambda be: cases.check_encode_big(
         be, torch.float16, 8, cases=[(1000, 8, 8, 2, 4)]), ["team_kernel"]),
-    ("encode-raw", GRID_CAP, lambda be: cases.check_encode_big(
+    ("encode-raw", lambda be: cases.check_encode_big(
         be, torch.float16, 0, cases=[(1000, 8, 8, 2, 4)]), ["copy_kernel"]),
-    ("reduce", GRID_CAP, lambda be: [cases.check_reduce_big(be, 4, out, cases=[(24, 8, 4, 4096)])
-                                     for out in ("wire8", "values")],
+    ("reduce", lambda be: [cases.check_reduce_big(be, 4, out, cases=[(24, 8, 4, 4096)])
+                           for out in ("wire8", "values")],
      ["team_kernel", "elementwise_kernel"]),
-    ("split-many-groups", GRID_CAP, lambda be: cases.check_encode_big(
+    ("split-many-groups", lambda be: cases.check_encode_big(
         be, torch.bfloat16, 8, cases=[(8200, 8200, 256 * GRID_CAP + 1, 0, 1)]),
      ["prepare_kernel", "team_kernel", "finalize_kernel"]),
 ]
 
 
-@pytest.mark.parametrize("cap,call,kernels", [pytest.param(*c[1:], id=c[0]) for c in LOOPING])
-def test_emu_grid_cap_makes_every_kernel_loop(cap, call, kernels):
+@pytest.mark.parametrize("call,kernels", [pytest.param(*c[1:], id=c[0]) for c in LOOPING])
+def test_emu_grid_cap_makes_every_kernel_loop(call, kernels):
     # Each kernel runs on fewer blocks than its launch code asked for, every check on (the
     # race check included; ASan's in that build), and still gives the CPU's bytes: its
     # blocks looped over the rest.
-    be = EmuBackend("random", 11, grid_cap=cap)
+    be = EmuBackend("random", 11, grid_cap=GRID_CAP)
     be.lib = RecordingEmu()
     call(be)
     for prefix in kernels:
         runs = [(grid, run, asked) for name, grid, _, run, asked in be.lib.launches
                 if name.startswith(prefix)]
-        assert runs and all(grid == run == cap < asked for grid, run, asked in runs), (prefix, runs)
+        assert runs and all(grid == run == GRID_CAP < asked for grid, run, asked in runs), \
+            (prefix, runs)
 
 
 def test_emu_grid_cap_cases_cover_every_kernel():
-    covered = {k.split("<")[0] for c in LOOPING for k in c[3]}
+    covered = {k.split("<")[0] for c in LOOPING for k in c[2]}
     assert covered == _kernels_in_sources()
 
 
