@@ -26,6 +26,7 @@ export LD_PRELOAD=$preload QCOLL_EMU_MODULE=$module
 export ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:detect_stack_use_after_return=0
 cd "$root"
 
+echo "== sources: $("$python" tests/cuda/sources_stamp.py)"
 echo "== ASan is live: a store one element past the buffer must be reported"
 if out=$("$python" -c "from tests.support.cuda_emu import EMU; EMU.selftest('out_of_bounds')" 2>&1); then
   echo "FAIL: the out-of-bounds store was not reported"; exit 1

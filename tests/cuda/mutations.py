@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from tests.cuda.sources_stamp import sources_stamp  # noqa: E402
 
 # (name, file, original text, mutated text, what the mutation models)
 MUTATIONS = [
@@ -36,6 +38,10 @@ MUTATIONS = [
      "  if (threadIdx.x % 32 == 0) partial[warp] = s;\n  __syncthreads();\n",
      "  if (threadIdx.x % 32 == 0) partial[warp] = s;\n",
      "team_reduce reads the warps' partials without the barrier after they are written"),
+    ("removed-second-syncthreads", "src/cuda/quant_team.cuh",
+     "  __syncthreads();  // the next unit rewrites `partial`\n",
+     "",
+     "team_reduce lets the block's next unit rewrite the warps' partials while they are read"),
     ("shuffle-wrong-width", "src/cuda/quant_team.cuh",
      "__shfl_xor_sync(kAll, s.abs_bits, mask)",
      "__shfl_xor_sync(kAll, s.abs_bits, mask, 16)",
@@ -219,6 +225,7 @@ def main() -> int:
     for part in ("CMakeLists.txt", "cmake", "include", "src", "python"):
         (shutil.copytree if (ROOT / part).is_dir() else shutil.copy)(ROOT / part, src / part)
     configure(src, work / "build")
+    stamp = sources_stamp(src)
 
     module = build(work / "build", args.host)
     host_path = host_package(src, module) if args.host else None
@@ -257,6 +264,8 @@ def main() -> int:
     for name, file, what, caught, test, msg, _ in rows:
         print(f"| {name} | {file} | {what} | {caught} | `{test}` | {msg.replace('|', '/')} |")
     print(f"\n{len(rows) - len(missed)} of {len(rows)} mutations caught")
+    if not args.host and not args.only:  # the kernels and kernel emulator, every mutation
+        print(f"sources: {stamp}")
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if missed else 0

@@ -36,7 +36,7 @@ def test_block_sum_through_shared_memory_and_barriers(schedule):
 
 # Checks on each memory access (src/testing/emu/access_hooks.cpp).
 ACCESS_CHECKS = {"shared_race", "shared_uninitialized", "misaligned_vector", "global_race",
-                 "out_of_bounds"}
+                 "out_of_bounds", "global_read_then_write"}
 
 
 @pytest.mark.parametrize("name,message", [
@@ -55,8 +55,11 @@ ACCESS_CHECKS = {"shared_race", "shared_uninitialized", "misaligned_vector", "gl
                              r"(3[2-9]|[4-6]\d)\)"),
     ("misaligned_vector", r"misaligned 16-byte load at 0x[0-9a-f]*4 \(the device requires 16-byte"
                           r" alignment\) \(kernel misaligned_vector, block \(0,0,0\), thread \d\)"),
-    ("global_race", r"global-memory race: (read|write) of byte \d+ of buffer 'out', written in "
-                    r"this launch by thread 0 of block [01] \(kernel global_race, block"),
+    ("global_race", r"global-memory race: (read|write) of byte \d+ of buffer 'out', (written|read) "
+                    r"by thread 0 of block [01] in this launch \(kernel global_race, block"),
+    ("global_read_then_write", r"global-memory race: (write|read) of byte \d+ of buffer 'out', "
+                               r"(read|written) by thread \d+ of block 0 in this launch \(kernel "
+                               r"global_read_then_write, block \(0,0,0\), thread \d+\)"),
     ("out_of_bounds", r"out-of-bounds global store of 4 bytes at 0x[0-9a-f]+; buffers: out=\[0x"
                       r"[0-9a-f]+, \+128\) \(kernel out_of_bounds, block \(0,0,0\), thread 31\)"),
 ])
@@ -77,6 +80,17 @@ def test_shared_race_names_both_threads_in_thread_order():
         EMU.selftest("shared_race")
 
 
+@pytest.mark.skipif(not EMU.ACCESS_CHECKS, reason="access checks are ASan's in this build")
+def test_global_read_then_another_threads_write_is_a_race():
+    # Ordered: thread 0 reads element 1 before thread 1 writes it, and no thread reads a
+    # byte already written, so only the record of global reads can see this race.
+    EmuBackend("ordered")
+    with pytest.raises(EMU.EmuError, match=r"global-memory race: write of byte 4 of buffer 'out', "
+                       r"read by thread 0 of block 0 in this launch \(kernel "
+                       r"global_read_then_write, block \(0,0,0\), thread 1\)"):
+        EMU.selftest("global_read_then_write")
+
+
 def test_entry_points_validate_like_qcoll():
     x = torch.zeros(16)
     out = torch.zeros(16, dtype=torch.uint8)
@@ -94,7 +108,7 @@ def test_grid_sample_runs_first_last_and_seeded_blocks():
     codes = torch.randint(0, 256, (n,), dtype=torch.uint8)
     scales = torch.ones(n // 256)
     y = be.dequantize(codes, scales, None, n, 8, 256, torch.float32)
-    (_, grid, _, run), = EMU.last_call()["launches"]
+    (_, grid, _, run, _), = EMU.last_call()["launches"]
     assert (grid, run) == (40, 6)
     ranges = be.written(y)
     block = 256 * 8 * 4  # output bytes of one block

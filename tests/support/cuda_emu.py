@@ -31,6 +31,9 @@ def load_emu():
 
 EMU = load_emu()
 ROUNDING = {"nearest": 0, "stochastic": 1}
+# Blocks a capped launch runs (EmuBackend's grid_cap): small, so every kernel's grid-stride
+# loop wraps at the test cases' sizes; more than one, so blocks still share the work.
+GRID_CAP = 3
 
 
 def garbage(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -41,13 +44,15 @@ class EmuBackend(cases.Backend):
     """The CUDA kernels run by the emulator on CPU memory. Every buffer is its own host
     allocation of exactly the bytes the kernel may touch (so an AddressSanitizer build
     catches any overrun). max_blocks > 0 runs a sample of the blocks of larger grids and
-    compares only the bytes they wrote."""
+    compares only the bytes they wrote; grid_cap > 0 runs larger grids as that many blocks,
+    which loop over the rest."""
 
     lib = EMU
 
-    def __init__(self, schedule: str = "ordered", seed: int = 0, max_blocks: int = 0):
+    def __init__(self, schedule: str = "ordered", seed: int = 0, max_blocks: int = 0,
+                 grid_cap: int = 0):
         self.max_blocks = max_blocks
-        EMU.configure(schedule, seed, max_blocks, track_writes=max_blocks > 0)
+        EMU.configure(schedule, seed, max_blocks, track_writes=max_blocks > 0, grid_cap=grid_cap)
         self.writes = []
 
     def place(self, t, shift_bytes=0):
@@ -77,7 +82,7 @@ class EmuBackend(cases.Backend):
         codes = self.output(-(-n * ref.width(bits) // 8))
         scales = self.output(4 * groups, torch.float32)
         offsets = None if symmetric else self.output(4 * groups, torch.float32)
-        EMU.quantize(x.data_ptr(), CODE[x.dtype], n, wire_code(bits), gs, symmetric, ROUNDING[rounding],
+        self.lib.quantize(x.data_ptr(), CODE[x.dtype], n, wire_code(bits), gs, symmetric, ROUNDING[rounding],
                      seed or 0, 0, codes.data_ptr(), scales.data_ptr(),
                      0 if offsets is None else offsets.data_ptr(), *self.device_args(),
                      hadamard_size=hs)
@@ -86,7 +91,7 @@ class EmuBackend(cases.Backend):
 
     def dequantize(self, codes, scales, offsets, n, bits, group_size, dtype, hadamard_size=0):
         out = self.output(n * torch.finfo(dtype).bits // 8, dtype)
-        EMU.dequantize(codes.data_ptr(), scales.data_ptr(),
+        self.lib.dequantize(codes.data_ptr(), scales.data_ptr(),
                        0 if offsets is None else offsets.data_ptr(), n, wire_code(bits), group_size,
                        offsets is None, out.data_ptr(), CODE[dtype], *self.device_args(),
                        hadamard_size=hadamard_size)

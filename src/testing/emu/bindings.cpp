@@ -31,7 +31,8 @@ LastCall& last() {
 py::dict last_call() {
   py::list launches;
   for (const auto& l : last().launches)
-    launches.append(py::make_tuple(l.kernel, l.grid.x, l.block.x, l.blocks_run));
+    launches.append(py::make_tuple(l.kernel, l.grid.x, l.block.x, l.blocks_run,
+                                   l.requested_grid_x));
   py::dict d;
   d["launches"] = launches;
   d["writes"] = last().writes;
@@ -62,20 +63,24 @@ PYBIND11_MODULE(_cuda_emu, m) {
       /*release_gil=*/false);
   m.def(
       "configure",
-      [](const std::string& schedule, uint64_t seed, int64_t max_blocks, bool track_writes) {
+      [](const std::string& schedule, uint64_t seed, int64_t max_blocks, bool track_writes,
+         int64_t grid_cap) {
         QCOLL_ARG_CHECK(schedule == "ordered" || schedule == "random",
                         "schedule must be 'ordered' or 'random', got '", schedule, "'");
         QCOLL_ARG_CHECK(max_blocks == 0 || max_blocks >= 4,
                         "max_blocks must be 0 (every block) or >= 4, got ", max_blocks);
+        QCOLL_ARG_CHECK(grid_cap >= 0 && grid_cap <= 65535,
+                        "grid_cap must be 0 (the launch code's grid) or 1..65535, got ", grid_cap);
         emu::Config c;
         c.schedule = schedule == "random" ? emu::Schedule::kRandom : emu::Schedule::kOrdered;
         c.seed = seed;
         c.max_blocks = max_blocks;
         c.track_writes = track_writes;
+        c.grid_cap = grid_cap;
         emu::configure(c);
       },
       py::arg("schedule") = "ordered", py::arg("seed") = 0, py::arg("max_blocks") = 0,
-      py::arg("track_writes") = false);
+      py::arg("track_writes") = false, py::arg("grid_cap") = 0);
   m.def("last_call", &last_call);
   m.def("selftest", &emu::run_selftest, py::arg("name"), py::arg("lane_mask") = 1,
         py::arg("width") = 32);

@@ -75,14 +75,15 @@ struct Collective {
 struct Runtime {
   Config config;
   std::vector<Buffer> buffers;
-  // Per buffer and byte: 1 + the launch-wide id of the thread that wrote it in this launch
-  // (0: none); sized on the first write of a launch, unused when blocks are sampled.
-  std::vector<std::vector<uint32_t>> writers;
+  // Per buffer and byte, who accessed it in this launch (see global_access); sized on the
+  // buffer's first access of a launch, unused when blocks are sampled.
+  std::vector<std::vector<uint32_t>> owners;
   std::vector<LaunchRecord> launches;
   std::vector<std::pair<uintptr_t, size_t>> writes;
 
   // The launch in progress.
   const KernelCall* call = nullptr;
+  dim3 grid;  // as run: call->grid, or capped by config.grid_cap
   std::string kernel;
   unsigned nthreads = 0;
   uint3 block{0, 0, 0};
@@ -372,25 +373,44 @@ const Buffer* buffer_of(const Runtime& r, uintptr_t a, size_t bytes) {
 }
 
 // Between two launches nothing orders the threads of one: a byte that one thread writes
-// must not be read or written by another thread in the same launch (atomics aside).
+// must not be read or written by another thread of the same launch, nor written after
+// another thread read it (atomics aside). Stricter than CUDA inside a block, where a
+// __syncthreads would order the two; no kernel relies on that. Per byte, one word:
+// 0 untouched, kManyReaders (read by several threads, written by none), else
+// (1 + thread id) << 1 | written.
+constexpr uint32_t kManyReaders = 0xffffffffu;
+
+std::string thread_name(const Runtime& r, uint32_t id) {
+  return "thread " + std::to_string(id % r.nthreads) + " of block " +
+         std::to_string(id / r.nthreads);
+}
+
 void global_access(Runtime& r, const Buffer& b, uintptr_t a, size_t bytes, bool write) {
   if (r.sampled) return;
-  std::vector<uint32_t>& w = r.writers[&b - r.buffers.data()];
-  if (w.empty()) {
-    if (!write) return;
-    w.assign(b.bytes, 0);
-  }
-  const uint32_t me = static_cast<uint32_t>(r.block_linear * r.nthreads + r.current->tid) + 1;
+  std::vector<uint32_t>& owner = r.owners[&b - r.buffers.data()];
+  if (owner.empty()) owner.assign(b.bytes, 0);
+  const uint32_t id = static_cast<uint32_t>(r.block_linear * r.nthreads + r.current->tid);
+  const uint32_t me = (id + 1) << 1;
   for (size_t i = 0; i < bytes; ++i) {
-    uint32_t& who = w[a - b.base + i];
-    if (who && who != me) {
-      const uint32_t other = who - 1;
+    uint32_t& v = owner[a - b.base + i];
+    const auto race = [&](const std::string& by) {
       fail("global-memory race: " + std::string(write ? "write" : "read") + " of byte " +
-           std::to_string(a - b.base + i) + " of buffer '" + b.name + "', written in this "
-           "launch by thread " + std::to_string(other % r.nthreads) + " of block " +
-           std::to_string(other / r.nthreads));
+           std::to_string(a - b.base + i) + " of buffer '" + b.name + "', " + by +
+           " in this launch");
+    };
+    if (v == 0) {
+      v = me | write;
+    } else if (v == kManyReaders) {
+      if (write) race("read by several threads");
+    } else if ((v & ~1u) == me) {
+      v |= write;
+    } else if (v & 1u) {
+      race("written by " + thread_name(r, (v >> 1) - 1));
+    } else if (write) {
+      race("read by " + thread_name(r, (v >> 1) - 1));
+    } else {
+      v = kManyReaders;
     }
-    if (write) who = me;
   }
 }
 
@@ -468,7 +488,7 @@ uint3 thread_idx() {
 }
 uint3 block_idx() { return rt().block; }
 dim3 block_dim() { return rt().call->block; }
-dim3 grid_dim() { return rt().call->grid; }
+dim3 grid_dim() { return rt().grid; }
 
 void sync_threads(const char* file, int line) {
   Runtime& r = rt();
@@ -570,7 +590,7 @@ void configure(const Config& c) { rt().config = c; }
 Config config() { return rt().config; }
 void set_buffers(std::vector<Buffer> buffers) {
   rt().buffers = std::move(buffers);
-  rt().writers.clear();
+  rt().owners.clear();
 }
 
 std::vector<LaunchRecord> take_launches() { return std::move(rt().launches); }
@@ -599,7 +619,10 @@ void run(const KernelCall& call) {
   }
   r.kernel = kernel_name(call.signature);
   const uint64_t threads = uint64_t{call.block.x} * call.block.y * call.block.z;
-  const uint64_t blocks = uint64_t{call.grid.x} * call.grid.y * call.grid.z;
+  dim3 grid = call.grid;
+  const uint64_t cap = static_cast<uint64_t>(r.config.grid_cap);
+  if (cap && grid.y == 1 && grid.z == 1 && grid.x > cap) grid.x = static_cast<unsigned>(cap);
+  const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
   if (threads == 0 || threads > kMaxThreads || blocks == 0 || call.grid.y > 65535 ||
       call.grid.z > 65535 || call.grid.x > 0x7fffffffu)
     throw EmuError("cuda_emu: invalid launch configuration of kernel " + r.kernel + ": grid (" +
@@ -607,6 +630,7 @@ void run(const KernelCall& call) {
                    std::to_string(call.grid.z) + "), block of " + std::to_string(threads) +
                    " threads (cudaErrorInvalidConfiguration)");
   r.call = &call;
+  r.grid = grid;
   r.nthreads = static_cast<unsigned>(threads);
   while (r.stacks.size() < threads) r.stacks.push_back(new_stack());
   r.fibers.assign(threads, Fiber{});
@@ -622,19 +646,21 @@ void run(const KernelCall& call) {
 
   const auto ids = blocks_to_run(r, blocks);
   r.sampled = ids.size() < blocks;
-  r.writers.resize(r.buffers.size());
-  for (auto& w : r.writers) w.clear();
+  if (!r.sampled && blocks * threads >= (uint64_t{1} << 30))
+    throw EmuError("cuda_emu: kernel " + r.kernel + " launches " + std::to_string(blocks * threads) +
+                   " threads; the race check tracks fewer than 2^30 (configure max_blocks)");
+  r.owners.resize(r.buffers.size());
+  for (auto& o : r.owners) o.clear();
   struct Done {  // the launch is over, however it ends
     ~Done() { rt().call = nullptr; }
   } done;
   for (uint64_t b : ids)
     run_block(r,
-              uint3{static_cast<unsigned>(b % call.grid.x),
-                    static_cast<unsigned>(b / call.grid.x % call.grid.y),
-                    static_cast<unsigned>(b / (uint64_t{call.grid.x} * call.grid.y))},
+              uint3{static_cast<unsigned>(b % grid.x), static_cast<unsigned>(b / grid.x % grid.y),
+                    static_cast<unsigned>(b / (uint64_t{grid.x} * grid.y))},
               b);
-  r.launches.push_back(LaunchRecord{r.kernel, call.grid, call.block,
-                                    static_cast<int64_t>(ids.size())});
+  r.launches.push_back(LaunchRecord{r.kernel, grid, call.block, static_cast<int64_t>(ids.size()),
+                                    call.grid.x});
 }
 
 }  // namespace emu

@@ -8,7 +8,8 @@
 //  - shared-memory races (two threads touch a byte between two barriers, one writing) and
 //    reads of shared memory not written in the block;
 //  - global-memory races: a byte one thread writes, touched by another thread of the same
-//    launch (atomics aside; not checked when only a sample of the blocks runs);
+//    launch, or written after another thread read it (atomics aside; not checked when only
+//    a sample of the blocks runs, see Config::grid_cap instead);
 //  - accesses not aligned to their size (a 16-byte uint4 load at an address % 16 != 0);
 //  - global accesses outside the buffers registered for the call (the kernel contract's
 //    extents), and launch configurations CUDA rejects.
@@ -52,6 +53,9 @@ struct Config {
   Schedule schedule = Schedule::kOrdered;
   uint64_t seed = 0;         // random schedule and block sample
   int64_t max_blocks = 0;    // > 0: a launch with more blocks runs a sample of this many
+  // > 0: a 1-D grid of more blocks runs as this many (gridDim.x included), as if the launch
+  // code had capped it there, so grid-stride loops wrap at small sizes with every check on.
+  int64_t grid_cap = 0;
   bool track_writes = false;  // record the global bytes each call writes
   // Global accesses outside the registered buffers are allowed, unchecked (the virtual-GPU
   // build qcoll._C_emu: the buffers are the framework's allocations, registered by nobody).
@@ -67,8 +71,9 @@ struct Buffer {
 
 struct LaunchRecord {
   std::string kernel;
-  dim3 grid, block;
+  dim3 grid, block;  // grid: as run (the launch code's, or capped by grid_cap)
   int64_t blocks_run;
+  unsigned requested_grid_x;  // the launch code's grid.x
 };
 
 void configure(const Config& c);

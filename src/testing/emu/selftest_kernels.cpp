@@ -92,6 +92,14 @@ __global__ void global_race(unsigned* out) {
 
 __global__ void out_of_bounds(unsigned* out) { out[threadIdx.x + 1] = 1; }  // one past the end
 
+// Thread t reads its neighbour's element, which the neighbour then overwrites: nothing orders
+// the read before the write. Under the ordered schedule every read comes first.
+__global__ void global_read_then_write(unsigned* out) {
+  const unsigned t = threadIdx.x;
+  const unsigned next = t + 1 < blockDim.x ? out[t + 1] : 0u;
+  out[t] = next + 1;
+}
+
 struct Case {
   std::function<void(unsigned*)> launch;
   unsigned elements;  // of the output buffer
@@ -114,6 +122,8 @@ std::vector<unsigned> run_selftest(const std::string& name, int lane_mask, int w
       {"misaligned_vector", {[](unsigned* o) { launch<misaligned_vector>(1, 4, o); }, 32}},
       {"global_race", {[](unsigned* o) { launch<global_race>(2, 1, o); }, 64}},
       {"out_of_bounds", {[](unsigned* o) { launch<out_of_bounds>(1, 32, o); }, 32}},
+      {"global_read_then_write",
+       {[](unsigned* o) { launch<global_read_then_write>(1, 32, o); }, 32}},
   };
   const auto it = cases.find(name);
   if (it == cases.end()) throw ArgumentError("unknown emulator self-test '" + name + "'");
