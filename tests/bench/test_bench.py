@@ -127,7 +127,7 @@ def test_project_charges_measured_bandwidth_with_the_models_bytes(tmp_path, monk
     """A GPU result where every kernel ran at the same bandwidth B gives the rates of the HBM
     model at B: the kernels suite's GB/s counts bytes read + written, so the projection may
     not divide it by the input's element size alone (it did, 1.5x to 2x too fast)."""
-    sys.path.insert(0, ROOT)
+    monkeypatch.syspath_prepend(ROOT)
     from bench.suites import project
 
     bandwidth = 1.2e12

@@ -115,12 +115,14 @@ def test_check_passes_a_shared_runtime_and_fails_a_static_one(source):
     assert check.main([static, "--delete"]) == 1 and not os.path.exists(static)
 
 
+# libstdc++.so.6: what the GPU image's build links (cmake/cxx_runtime.cmake's fallback).
+@pytest.mark.parametrize("runtime_name", ["libstdc++.so", "libstdc++.so.6"])
 @pytest.mark.parametrize("cause", ["archive first on the search path", "-static-libstdc++"])
-def test_runtime_named_by_path_keeps_it_shared(source, cause):
+def test_runtime_named_by_path_keeps_it_shared(source, cause, runtime_name):
     archive = Path(_compiler_file("libstdc++.a"))
-    runtime = _compiler_file("libstdc++.so")
+    runtime = _compiler_file(runtime_name)
     if not archive.is_absolute() or not os.path.isabs(runtime):
-        pytest.skip("the compiler names no libstdc++.a / libstdc++.so")
+        pytest.skip(f"the compiler names no libstdc++.a / {runtime_name}")
     if cause == "-static-libstdc++":
         flags = ["-static-libstdc++"]
     else:
@@ -130,11 +132,11 @@ def test_runtime_named_by_path_keeps_it_shared(source, cause):
         early.mkdir(exist_ok=True)
         shutil.copy(archive, early / "libstdc++.a")
         flags = [f"-L{early}"]
-    assert check.problems(_link(source, "bad.so", *flags))
-    # CMakeLists.txt's remedy (qcoll_shared_cxx_runtime): the compiler's libstdc++.so by
+    assert check.problems(_link(source, f"bad-{runtime_name}.so", *flags))
+    # CMakeLists.txt's remedy (qcoll_shared_cxx_runtime): the compiler's shared runtime by
     # path, kept even where --as-needed would drop it.
     remedy = ["-Wl,--push-state,--no-as-needed", runtime, "-Wl,--pop-state"]
-    assert check.problems(_link(source, "good.so", *flags, *remedy)) == []
+    assert check.problems(_link(source, f"good-{runtime_name}.so", *flags, *remedy)) == []
 
 
 def _find_runtime(compiler: Path, dirs: list[Path]) -> str:
@@ -171,16 +173,3 @@ def test_runtime_found_past_a_dangling_link_name(tmp_path):
     # The real compiler: its libstdc++.so (or .so.6), a file that exists.
     found = _find_runtime(Path(CXX), [])
     assert os.path.isabs(found) and Path(found).resolve() == real
-
-
-def test_versioned_soname_is_as_good_a_remedy(source):
-    """What the GPU image's build links: libstdc++.so.6 by path, with the archive first on the
-    search path for g++'s implicit -lstdc++."""
-    archive, runtime = Path(_compiler_file("libstdc++.a")), _compiler_file("libstdc++.so.6")
-    if not archive.is_absolute() or not os.path.isabs(runtime):
-        pytest.skip("the compiler names no libstdc++.a / libstdc++.so.6")
-    early = source.parent / "early6"
-    early.mkdir(exist_ok=True)
-    shutil.copy(archive, early / "libstdc++.a")
-    remedy = ["-Wl,--push-state,--no-as-needed", runtime, "-Wl,--pop-state"]
-    assert check.problems(_link(source, "good6.so", f"-L{early}", *remedy)) == []
