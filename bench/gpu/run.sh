@@ -10,7 +10,9 @@
 # CUDA graphs, failure detection); compute-sanitizer
 # memcheck and racecheck over the CUDA kernel tests; the `kernels` suite on CUDA; the
 # `collectives` suite with 4 NCCL ranks sharing GPU 0 (correctness and bytes only: ranks
-# time-slice one GPU, so its times mean little); last, the rest of the test suite. Every
+# time-slice one GPU, so its times mean little); the two training examples on 4 NCCL ranks
+# sharing GPU 0; Nsight Compute over the slowest kernels (ncu-kernels.ncu-rep and
+# ncu-details.txt in OUT_DIR); last, the rest of the test suite. Every
 # step runs even if an earlier one failed (after a failed build the later ones fail fast
 # and say so). Every pytest step has a per-test timeout (pytest-timeout) well under the
 # step's limit, so a hang names its test. QCOLL_EXPECT_GPU=1 is exported: a GPU test that
@@ -117,6 +119,18 @@ else
     "${KERNEL_TESTS[@]}" -k "$SANITIZE_K"
   step kernels_cuda 150 python3 bench/run.py kernels --device cuda --json "$WORK/kernels-cuda.json" --plot "$OUT_DIR/kernels-cuda.png"
   step collectives_nccl 150 python3 bench/run.py collectives --device cuda --quick --json "$WORK/collectives-nccl.json"
+  # Training on NCCL ranks: 4 ranks as 2 nodes x 2 sharing GPU 0 over loopback sockets
+  # (correctness: the loss falls and ZeRO++ tracks ZeRO-3 / FSDP2's default; times mean little).
+  step train_zero3_nccl 120 python3 examples/train_zero3.py --backend nccl --qcoll-backend nccl \
+    --ranks 4 --node-size 2 --steps 30 --log-every 10
+  step train_fsdp2_nccl 120 python3 examples/train_fsdp2.py --backend nccl \
+    --ranks 4 --node-size 2 --steps 30 --log-every 10
+  # Hardware counters of the kernels that miss their targets most (bench/gpu/profile_kernels.py):
+  # the report (tens of MB: read it on the machine) and its details page.
+  step ncu_kernels 150 bash -c "ncu --clock-control none --set full --import-source no \
+      -k 'regex:team_kernel|elementwise_kernel' -f -o '$OUT_DIR/ncu-kernels' \
+      python3 bench/gpu/profile_kernels.py \
+    && ncu -i '$OUT_DIR/ncu-kernels.ncu-rep' --page details > '$OUT_DIR/ncu-details.txt'"
   # Last: the CPU tests (CI runs them too), with whatever time is left.
   pytest_step tests_rest 240 120 --continue-on-collection-errors tests -m "not gpu"
 fi
