@@ -61,10 +61,14 @@ PAPERS = {
 
 def _gpu_kernel_rates():
     """(rates, source): from the newest GPU result's kernels rows, else None."""
-    files = sorted(glob.glob(os.path.join(RESULTS, "gpu-results-*.json")))
-    for path in reversed(files):
+    results = []
+    for path in glob.glob(os.path.join(RESULTS, "gpu-results-*.json")):
         with open(path) as f:
-            rows = (json.load(f).get("kernels_cuda") or {}).get("rows", [])
+            results.append((json.load(f), path))
+    # Newest first, by the kernels run's own date (file names carry no order).
+    results.sort(key=lambda r: (r[0].get("kernels_cuda") or {}).get("date", ""), reverse=True)
+    for result, path in results:
+        rows = (result.get("kernels_cuda") or {}).get("rows", [])
         rows = [r for r in rows if r.get("device") == "cuda"]
         best = {}
         for r in rows:  # the largest size of each kernel, bf16 input where measured

@@ -225,6 +225,12 @@ QCOLL_HD void stats_add(GroupStats& s, float x) {
   s.hi_key = k > s.hi_key ? k : s.hi_key;
 }
 
+// The absmax statistic alone: all that a symmetric group's parameters read (group_params).
+QCOLL_HD void stats_add_abs(GroupStats& s, float x) {
+  const uint32_t a = float_bits(x) & 0x7fffffffu;
+  s.abs_bits = a > s.abs_bits ? a : s.abs_bits;
+}
+
 QCOLL_HD GroupStats stats_combine(GroupStats a, const GroupStats& b) {
   a.abs_bits = b.abs_bits > a.abs_bits ? b.abs_bits : a.abs_bits;
   a.lo_key = b.lo_key < a.lo_key ? b.lo_key : a.lo_key;

@@ -201,15 +201,38 @@ __device__ __forceinline__ uint64_t load_codes(const uint8_t* src, int count, bo
 }
 
 // ---- per-packet arithmetic (quant_math.h), with the uniform flags as constants ----------
+
+// math::encode_scaled for an integer format with nearest rounding, without the two
+// conversion-unit instructions (rint and float -> int, a quarter of the ALU's rate) it would
+// compile to: the value is clamped first, then adding 1.5 * 2^23 rounds it half to even and
+// leaves the integer, two's complement, in the low bits of the sum's mantissa. The same
+// codes: the clamp bounds are integers, so clamping and rounding commute; the group's
+// values and parameters are finite (codes_are_zero covers the rest).
+template <CodeFormat F, bool Symmetric>
+__device__ __forceinline__ uint32_t nearest_integer_code(float x, const GroupParams& p) {
+  static_assert(!format_is_float(F), "integer formats only");
+  const float v = Symmetric ? math::div(x, p.scale) : math::div(math::sub(x, p.offset), p.scale);
+  const float c = Symmetric ? math::clampf(v, -math::qmax_symmetric(F), math::qmax_symmetric(F))
+                            : math::clampf(v, 0.0f, math::levels_asymmetric(F));
+  constexpr float kRoundingBias = 12582912.0f;  // 1.5 * 2^23
+  return math::float_bits(math::add(c, kRoundingBias)) & ((1u << code_bits(F)) - 1);
+}
+
 template <CodeFormat F, bool Symmetric, bool Stochastic>
 __device__ __forceinline__ uint64_t code_packet_as(const Packet& p, const GroupParams& params,
                                                    uint64_t key, uint64_t index0) {
   constexpr int Bits = code_bits(F);
+  if (math::codes_are_zero(params)) return 0;  // once per packet, as encode_value per element
   uint64_t codes = 0;
 #pragma unroll
   for (int j = 0; j < kPacket; ++j) {
-    const float u = Stochastic ? math::uniform01(key, index0 + j) : 0.0f;
-    const uint8_t b = math::encode_value(p.x[j], params, F, Symmetric, Stochastic, u);
+    uint32_t b;
+    if constexpr (!format_is_float(F) && !Stochastic) {
+      b = nearest_integer_code<F, Symmetric>(p.x[j], params);
+    } else {
+      const float u = Stochastic ? math::uniform01(key, index0 + j) : 0.0f;
+      b = math::encode_scaled<Symmetric>(p.x[j], params, F, Stochastic, u);
+    }
     codes |= static_cast<uint64_t>(b) << (Bits * j);
   }
   return codes;
@@ -247,26 +270,39 @@ __device__ __forceinline__ Packet decode_packet(uint64_t codes, const GroupParam
                                          : decode_packet_as<F, false>(codes, params);
 }
 
-__device__ __forceinline__ void add_packet(GroupStats& s, const Packet& p) {
+// abs_only: symmetric groups, whose parameters read the absmax alone (a third of the work).
+__device__ __forceinline__ void add_packet(GroupStats& s, const Packet& p, bool abs_only) {
+  if (abs_only) {
 #pragma unroll
-  for (int j = 0; j < kPacket; ++j) math::stats_add(s, p.x[j]);
+    for (int j = 0; j < kPacket; ++j) math::stats_add_abs(s, p.x[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPacket; ++j) math::stats_add(s, p.x[j]);
+  }
 }
 
 // kFused: whole groups, statistics to codes in one kernel. kStats / kCode: the two passes
 // over the chunks of large groups.
 enum class Pass { kFused, kStats, kCode };
 
-__device__ __forceinline__ GroupStats shfl_xor(const GroupStats& s, int mask) {
+// abs_only: the lo/hi keys are left as they are (add_packet's abs_only).
+__device__ __forceinline__ GroupStats shfl_xor(const GroupStats& s, int mask, bool abs_only) {
   constexpr unsigned kAll = 0xffffffffu;
-  return {__shfl_xor_sync(kAll, s.abs_bits, mask), __shfl_xor_sync(kAll, s.lo_key, mask),
-          __shfl_xor_sync(kAll, s.hi_key, mask)};
+  GroupStats t = s;
+  t.abs_bits = __shfl_xor_sync(kAll, s.abs_bits, mask);
+  if (!abs_only) {
+    t.lo_key = __shfl_xor_sync(kAll, s.lo_key, mask);
+    t.hi_key = __shfl_xor_sync(kAll, s.hi_key, mask);
+  }
+  return t;
 }
 
 // Combines the statistics of the `lanes` threads of each team (aligned runs of threads).
-// Every thread of the block must call it with the same `lanes`.
-__device__ __forceinline__ GroupStats team_reduce(GroupStats s, int lanes, GroupStats* partial) {
+// Every thread of the block must call it with the same `lanes` and `abs_only`.
+__device__ __forceinline__ GroupStats team_reduce(GroupStats s, int lanes, GroupStats* partial,
+                                                  bool abs_only) {
   for (int mask = (lanes < 32 ? lanes : 32) / 2; mask > 0; mask /= 2)
-    s = math::stats_combine(s, shfl_xor(s, mask));
+    s = math::stats_combine(s, shfl_xor(s, mask, abs_only));
   if (lanes <= 32) return s;
   const int warp = threadIdx.x / 32;
   const int warps = lanes / 32;

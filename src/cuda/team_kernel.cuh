@@ -189,15 +189,15 @@ __global__ void __launch_bounds__(kThreads, Src::kMinBlocks)
     if constexpr (P != Pass::kCode) {
 #pragma unroll
       for (int j = 0; j < kPacketsPerLane; ++j)
-        if (e0 + j * step < unit.end) add_packet(s, cache[j]);
+        if (e0 + j * step < unit.end) add_packet(s, cache[j], sink.symmetric());
     }
     if constexpr (P == Pass::kStats) {
-      s = team_reduce(s, lanes, partial);
+      s = team_reduce(s, lanes, partial, sink.symmetric());
       if (leader) publish_stats(sink, unit.item, unit.group, s);
     } else {
       GroupParams params{0.0f, 0.0f};
       if constexpr (P == Pass::kFused) {
-        params = math::group_params(team_reduce(s, lanes, partial), F, sink.symmetric());
+        params = math::group_params(team_reduce(s, lanes, partial, sink.symmetric()), F, sink.symmetric());
         if (leader) write_params(sink, unit.item, unit.group, params);
       } else if (unit.begin < unit.end) {
         params = read_params(sink, unit.item, unit.group);
