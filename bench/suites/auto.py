@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 
+from qcoll.cost import BUDGET_S
 from timing import human_bytes
 
 from . import _netns, _ranks, zero
@@ -61,7 +62,7 @@ def run(quick: bool, progress, sizes=None) -> dict:
                 probes[f"{topology} {name}"] = dict(cluster.probe(), delay_us=cluster.delay_us)
                 cfg = dict(world=nodes * node_size, node_size=node_size, sizes=sizes, dtype="bf16", device="cpu",
                            warmup=1 if quick else 2, repeats=3 if quick else 7, iface=_netns.IFACE,
-                           probe_budget_s=3.0)
+                           probe_budget_s=BUDGET_S)  # the probe's default budget
                 out = _ranks.launch(cfg, prefix=lambda r: cluster.exec_prefix(r // node_size),
                                     env=lambda r: {"GLOO_SOCKET_IFNAME": _netns.IFACE,
                                                    "QCOLL_HOST_ID": f"node{r // node_size}"},

@@ -6,6 +6,7 @@ rate: the ranks end with identical numbers."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from . import cost as cm
 from ._runtime import call
 from ._formats import FORMATS
+from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
 from .quantization import dequantize, quantize
 
 
@@ -32,18 +34,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_time(fn, device: torch.device) -> float:
-    """The fastest of a few timed calls after a warm-up: on a machine shared with other
-    jobs the fastest is the call's own cost, the others carry their interference."""
+def _times(fn, device: torch.device, repeats: int = cm._REPEATS) -> list:
+    """Seconds of `repeats` timed calls after a warm-up."""
     fn()  # warm-up (first-use allocations, connections)
     times = []
-    for _ in range(cm._REPEATS):
+    for _ in range(repeats):
         _sync(device)
         t0 = time.perf_counter()
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
+
+
+def _best_time(fn, device: torch.device) -> float:
+    """The fastest of a few timed calls after a warm-up: on a machine shared with other
+    jobs the fastest is the call's own cost, the others carry their interference."""
+    return min(_times(fn, device))
 
 
 def _link(group, tier, device: torch.device, deadline: float) -> cm.Link:
@@ -96,18 +103,93 @@ def _kernels(group, device: torch.device, deadline: float) -> dict:
             for i, fmt in enumerate(cm._PROBE_FORMATS)}
 
 
+# Per collective: the calls the calibration times, one per kind (CostModel.kind): the
+# uncompressed one and the default quantized one on each path, what policy="auto" weighs.
+CALIBRATED = {
+    "allgather": (AllGatherPolicy(bits=None), AllGatherPolicy()),
+    "reduce_scatter": (ReduceScatterPolicy.transport(), ReduceScatterPolicy(hierarchical=True),
+                       ReduceScatterPolicy(hierarchical=False)),
+    "all_reduce": (AllReducePolicy(bits=None), AllReducePolicy(hierarchical=True),
+                   AllReducePolicy(hierarchical=False)),
+}
+
+
+def _collective_call(collective: str, group, total_bytes: int, policy, device: torch.device) -> tuple:
+    """(fn, numel as predict takes it) for one call of `total_bytes` of bf16 values."""
+    from .all_gather import quantized_allgather
+    from .all_reduce import quantized_all_reduce
+    from .reduce_scatter import quantized_reduce_scatter
+
+    dtype, world = cm._CALIBRATION_DTYPE, group.size
+    per_rank = max(1, total_bytes // (world * dtype.itemsize))
+    if collective == "allgather":
+        shard = torch.randn(per_rank, device=device).to(dtype)
+        full = torch.empty(world * per_rank, dtype=dtype, device=device)
+        return (lambda: quantized_allgather(full, shard, group, **policy.kwargs())), per_rank
+    if collective == "reduce_scatter":
+        inp = torch.randn(world * per_rank, device=device).to(dtype)
+        out = torch.empty(per_rank, dtype=dtype, device=device)
+        return (lambda: quantized_reduce_scatter(out, inp, group, **policy.kwargs())), per_rank
+    x = torch.randn(world * per_rank, device=device).to(dtype)
+    buf = torch.empty_like(x)
+
+    def all_reduce():
+        buf.copy_(x)  # in place: every call reduces the same values
+        quantized_all_reduce(buf, group, **policy.kwargs())
+    return all_reduce, world * per_rank
+
+
+def _calibration(group, model: cm.CostModel, device: torch.device, deadline: float) -> dict:
+    """"<collective>/<kind>" -> Calibration from whole calls (median of the timed ones, the
+    slowest rank's) at growing sizes: at least two, then until the slower kind's call takes
+    _CALIBRATION_TARGET_S, the size cap or the deadline."""
+    out = {}
+    for collective, candidates in CALIBRATED.items():
+        # One call per kind: on a group without two tiers both paths are the flat one.
+        kinds = {}
+        for policy in candidates:
+            kinds.setdefault(model.kind(collective, policy), policy)
+        policies = list(kinds.values())
+        points = {policy: ([], []) for policy in policies}
+        nbytes = cm._CALIBRATION_START
+        while True:
+            measured = []
+            for policy in policies:
+                fn, numel = _collective_call(collective, group, nbytes, policy, device)
+                times = sorted(_times(fn, device, cm._CALIBRATION_REPEATS))
+                measured.append(times[len(times) // 2])
+                points[policy][0].append(model.estimate(collective, numel, cm._CALIBRATION_DTYPE, policy).seconds)
+            measured = agreed_max(group, measured, device)
+            for policy, t in zip(policies, measured):
+                points[policy][1].append(t)
+            over = agreed_max(group, [float(time.monotonic() > deadline)], device)[0]
+            enough = len(points[policies[0]][0]) >= 2
+            if enough and (max(measured) >= cm._CALIBRATION_TARGET_S or nbytes >= cm._CALIBRATION_MAX or over):
+                break
+            nbytes *= 4
+        for policy, (estimates, measured) in points.items():
+            out[f"{collective}/{model.kind(collective, policy)}"] = cm.Calibration.fit(estimates, measured)
+    return out
+
+
 def probe(group, device: torch.device, budget_s: float) -> cm.CostModel:
     """Measure `group`'s CostModel on `device` (collective: every rank calls it)."""
     assert set(cm._PROBE_FORMATS) == set(FORMATS) | {cm.RAW}
     start = time.monotonic()
     tiers = [("intra", group.node_size > 1), ("inter", group.num_nodes > 1)]
-    share = budget_s / (sum(need for _, need in tiers) + 1)  # links and kernels share the budget
+    # The rates take the first half of the budget (links and kernels in equal shares), the
+    # calibration the second.
+    share = budget_s / 2 / (sum(need for _, need in tiers) + 1)
     links = {}
     for tier, needed in tiers:
         if needed:
             sub = group.intra if tier == "intra" else group.inter
             links[tier] = _link(group, sub, device, start + share * (len(links) + 1))
-    kernels = _kernels(group, device, start + budget_s)
-    return cm.CostModel(world=group.size, node_size=group.node_size, device=device.type,
-                        intra=links.get("intra"), inter=links.get("inter"), kernels=kernels,
-                        source="probe")
+    kernels = _kernels(group, device, start + budget_s / 2)
+    model = cm.CostModel(world=group.size, node_size=group.node_size, device=device.type,
+                         intra=links.get("intra"), inter=links.get("inter"), kernels=kernels,
+                         source="probe")
+    if group.size == 1:
+        return model
+    calibration = _calibration(group, model, device, start + budget_s)
+    return dataclasses.replace(model, calibration=calibration)

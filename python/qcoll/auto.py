@@ -11,7 +11,8 @@ fastest, from:
 Auto never quantizes below what the caller asked for: every candidate's hops use the
 caller's formats or none; the flat path encodes once at the cross-node format, which the
 2-hop path applies to every element as well (after an intra-node encode of its own).
-Equal predictions go to the uncompressed call.
+Equal predictions go to the uncompressed call. The probe calibrates the model on whole
+calls of every kind weighed here (uncompressed, flat, 2-hop: qcoll.cost).
 
 The choice depends only on the call's description (kind, sizes, dtype, the configured
 policy), the group's shape and its cost model, which every rank holds identically
@@ -167,23 +168,9 @@ _MODEL_KIND = {"allgather": "allgather", "delta_allgather": "allgather",
 def label(kind: str, policy, model) -> str:
     """A choice's name in stats() and the log: "uncompressed", or "quantized" with the path
     the core's plan takes (flat / 2-hop, stages) for a reduce-scatter or all-reduce."""
-    if isinstance(policy, AllGatherPolicy):
-        return UNCOMPRESSED if policy.bits is None else "quantized"
-    if isinstance(policy, AllReducePolicy):
-        if policy.bits is None and policy.inter_bits is None:
-            return UNCOMPRESSED
-        policy = policy.reduce_scatter()
-    if policy.unquantized:
-        return UNCOMPRESSED
-    return "quantized " + _path(policy, model)
-
-
-def _path(policy: ReduceScatterPolicy, model) -> str:
-    # The plan of a 64 MB fp32 call: the path and stages do not depend on the size in any
-    # other way than stages dropping below the plan's threshold (the log shows the choice).
-    plan = model._rs_plan(1 << 24, torch.float32, policy)
-    path = "2-hop" if plan.two_hop else "flat"
-    return path if policy.pipeline_stages == 1 else f"{path}, {policy.pipeline_stages} stages"
+    name = model.kind(_MODEL_KIND[kind], policy)
+    stages = getattr(policy, "pipeline_stages", 1)
+    return name if name in (UNCOMPRESSED, "quantized") or stages == 1 else f"{name}, {stages} stages"
 
 
 def _decide(kind: str, g, device, numel: int, dtype, configured, candidates: list):

@@ -14,6 +14,13 @@ unquantized hop costs). Bytes per hop come from the core's plans (one algorithm,
 a prediction is of a repeated call (the first call of a signature on CPU also exchanges a
 32-byte call check with every peer).
 
+Calibration: the rates above miss what a whole call adds on a real machine (the
+transport's own algorithms, processes sharing cores, copies). So the probe also times the
+calls themselves, each collective uncompressed and quantized with its default formats on each
+path (flat, 2-hop), at two or more sizes (bf16), and keeps per (collective, kind) the line
+fitted through the points (model's estimate -> measured time): a prediction is offset + scale x the model's
+estimate for that collective and kind. Models given without calibration use the rates alone.
+
 The probe is bounded: each measure grows its size by 4x from a small start and stops once a
 call takes `target_s` or the size cap is reached, and the whole probe stops growing sizes
 once `budget_s` is spent. Every time measured is reduced to the slowest rank's (all-reduce
@@ -50,8 +57,19 @@ _LATENCY_BYTES = 256
 _START_BYTES, _MAX_BYTES = 64 << 10, 16 << 20
 _KERNEL_START, _KERNEL_MAX = 1 << 16, 1 << 22
 _TARGET_S = 0.05
-BUDGET_S = 3.0
+BUDGET_S = 10.0
 _REPEATS = 3
+# Calibration: whole calls at total bytes from _CALIBRATION_START, 4x up to _CALIBRATION_MAX,
+# until the slower kind's call takes _CALIBRATION_TARGET_S (at least two sizes: a line needs
+# two points; far apart, so that it extrapolates to large calls).
+_CALIBRATION_START, _CALIBRATION_MAX = 1 << 20, 16 << 20
+_CALIBRATION_TARGET_S = 0.1
+_CALIBRATION_REPEATS = 7  # timed calls per size (their median): small calls are bimodal
+_CALIBRATION_DTYPE = torch.bfloat16
+# The kinds of call each collective calibrates (CostModel.kind): every path auto weighs.
+KINDS = {"allgather": ("uncompressed", "quantized"),
+         "reduce_scatter": ("uncompressed", "quantized 2-hop", "quantized flat"),
+         "all_reduce": ("uncompressed", "quantized 2-hop", "quantized flat")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +117,44 @@ class Prediction:
     kernel_s: float
     intra_bytes: int
     inter_bytes: int
+    # The rates' own estimate (intra_s + inter_s + kernel_s); `seconds` is it calibrated.
+    estimate_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """A measured call's time as offset + scale x the rates' estimate of it."""
+
+    offset: float
+    scale: float
+
+    def __post_init__(self):
+        if isinstance(self.offset, bool) or not isinstance(self.offset, (int, float)) or not 0 <= self.offset < float("inf"):
+            raise ValueError(f"Calibration.offset must be a finite number >= 0, got {self.offset!r}")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < float("inf"):
+            raise ValueError(f"Calibration.scale must be a finite number > 0, got {self.scale!r}")
+
+    @classmethod
+    def fit(cls, estimates: list, measured: list) -> "Calibration":
+        """The line measured = offset + scale x estimate closest to the points in relative
+        terms (least squares of (line - measured) / measured: every size counts alike, as
+        the prediction's error does); where that needs a negative offset or slope (noise),
+        the best line through the origin."""
+        rows = [(1.0 / m, e / m) for e, m in zip(estimates, measured)]  # (offset, scale) weights
+        saa = sum(a * a for a, _ in rows)
+        sab = sum(a * b for a, b in rows)
+        sbb = sum(b * b for _, b in rows)
+        sa, sb = sum(a for a, _ in rows), sum(b for _, b in rows)  # targets: every ratio 1
+        det = saa * sbb - sab * sab
+        if det > 1e-12 * saa * sbb:
+            offset, scale = (sa * sbb - sb * sab) / det, (saa * sb - sab * sa) / det
+            if offset >= 0 and scale > 0:
+                return cls(offset, scale)
+        return cls(0.0, sb / sbb)
+
+    def apply(self, estimate: float) -> float:
+        return self.offset + self.scale * estimate
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +163,8 @@ class CostModel:
 
     intra / inter: the tiers' Links (None where the group has no such peers);
     kernels: format name (qcoll's, or "raw") -> KernelRate; source: "probe", "user" or the
-    file it was loaded from."""
+    file it was loaded from; calibration: "<collective>/<kind>" (CostModel.kind) ->
+    Calibration (keys missing: the rates' estimate as it is)."""
 
     world: int
     node_size: int
@@ -116,6 +173,7 @@ class CostModel:
     inter: Optional[Link]
     kernels: Mapping[str, KernelRate]
     source: str = "user"
+    calibration: Mapping[str, Calibration] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("world", "node_size"):
@@ -131,6 +189,11 @@ class CostModel:
             if needed and not isinstance(link, Link):
                 raise ValueError(f"CostModel.{tier} must be a qcoll.cost_model.Link for a group of "
                                  f"{self.world} ranks, {self.node_size} per node, got {link!r}")
+        keys = {f"{c}/{k}" for c, kinds in KINDS.items() for k in kinds}
+        for key, cal in self.calibration.items():
+            if key not in keys or not isinstance(cal, Calibration):
+                raise ValueError(f"CostModel.calibration maps one of {sorted(keys)} to a qcoll.cost.Calibration; "
+                                 f"got {key!r}: {cal!r}")
         missing = [f for f in _PROBE_FORMATS if not isinstance(self.kernels.get(f), KernelRate)]
         if missing:
             raise ValueError(f"CostModel.kernels needs a KernelRate for every format {list(_PROBE_FORMATS)}; "
@@ -140,6 +203,7 @@ class CostModel:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["kernels"] = {k: dataclasses.asdict(v) for k, v in sorted(self.kernels.items())}
+        d["calibration"] = {k: dataclasses.asdict(v) for k, v in sorted(self.calibration.items())}
         return d
 
     @classmethod
@@ -149,7 +213,8 @@ class CostModel:
                        intra=None if d["intra"] is None else Link(**d["intra"]),
                        inter=None if d["inter"] is None else Link(**d["inter"]),
                        kernels={k: KernelRate(**v) for k, v in d["kernels"].items()},
-                       source=source or d.get("source", "user"))
+                       source=source or d.get("source", "user"),
+                       calibration={k: Calibration(**v) for k, v in d.get("calibration", {}).items()})
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a qcoll cost model ({e}); expected the keys of CostModel.to_dict()") from e
 
@@ -183,6 +248,24 @@ class CostModel:
                 "all_reduce": AllReducePolicy}[collective]
         if not isinstance(policy, want):
             raise TypeError(f"policy must be a qcoll.{want.__name__} for {collective!r}, got {type(policy).__name__}")
+        p = self.estimate(collective, numel, dtype, policy)
+        cal = self.calibration.get(f"{collective}/{self.kind(collective, policy)}")
+        return p if cal is None else dataclasses.replace(p, seconds=cal.apply(p.estimate_s))
+
+    def kind(self, collective: str, policy) -> str:
+        """The call's kind, which its calibration is by: "uncompressed", "quantized" (an
+        all-gather), or "quantized 2-hop" / "quantized flat" (the path the core's plan takes
+        on this group; it does not depend on the size)."""
+        if policy.unquantized:
+            return "uncompressed"
+        if collective == "allgather":
+            return "quantized"
+        rs = policy.reduce_scatter() if collective == "all_reduce" else policy
+        two_hop = self._rs_plan(1 << 24, torch.float32, rs).two_hop
+        return "quantized 2-hop" if two_hop else "quantized flat"
+
+    def estimate(self, collective: str, numel: int, dtype: torch.dtype, policy) -> Prediction:
+        """The rates' estimate alone (no calibration); predict's arguments, unchecked."""
         if collective == "allgather":
             parts = self._all_gather(numel, dtype, policy.bits, policy.group_size)
         elif collective == "reduce_scatter":
@@ -282,9 +365,10 @@ def _pipeline(hops: list) -> list:
 
 def _sum(parts: list) -> Prediction:
     intra_s, inter_s, kernel_s = (sum(p[i] for p in parts) for i in range(3))
-    return Prediction(seconds=intra_s + inter_s + kernel_s, intra_s=intra_s, inter_s=inter_s,
+    total = intra_s + inter_s + kernel_s
+    return Prediction(seconds=total, intra_s=intra_s, inter_s=inter_s,
                       kernel_s=kernel_s, intra_bytes=int(sum(p[3] for p in parts)),
-                      inter_bytes=int(sum(p[4] for p in parts)))
+                      inter_bytes=int(sum(p[4] for p in parts)), estimate_s=total)
 
 
 def _dtype_code(dtype: torch.dtype) -> int:

@@ -79,6 +79,10 @@ class AllGatherPolicy(_Policy):
         """The core's format code (RAW_CODE when unquantized)."""
         return format_code(self.bits, "bits")
 
+    @property
+    def unquantized(self) -> bool:
+        return self.code == RAW_CODE
+
 
 @dataclasses.dataclass(frozen=True)
 class ReduceScatterPolicy(_Policy):
@@ -155,6 +159,10 @@ class AllReducePolicy(_Policy):
         _normalize(self, "group_size", check_group_size(self.group_size))
         _normalize(self, "pipeline_stages", check_stages(self.pipeline_stages))
         check_hierarchical(self.hierarchical)
+
+    @property
+    def unquantized(self) -> bool:
+        return self.reduce_scatter().unquantized
 
     @property
     def cross_bits(self):

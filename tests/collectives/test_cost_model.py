@@ -12,7 +12,7 @@ import torch
 import qcoll
 from tests.support.distributed import run_ranks
 from qcoll import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
-from qcoll.cost import _PROBE_FORMATS, CostModel, KernelRate, Link
+from qcoll.cost import _PROBE_FORMATS, Calibration, CostModel, KernelRate, Link
 
 NODE_SIZE = 2
 GBIT = 1e9 / 8  # bytes per second
@@ -63,6 +63,50 @@ def test_predicted_raw_all_gather_by_hand():
     assert (p.intra_bytes, p.inter_bytes) == (6000, 6000)
     assert p.kernel_s == 0
     assert p.seconds == pytest.approx(6000 / (8 * GBIT) + 6000 / GBIT + 1e-3)
+
+
+def test_calibration_line_and_fallback():
+    # Points on a line (measured = 2 ms + 3 x estimate): that line.
+    c = Calibration.fit([0.001, 0.002, 0.004], [0.005, 0.008, 0.014])
+    assert (c.offset, c.scale) == (pytest.approx(0.002), pytest.approx(3.0))
+    # Off the line, the fit minimizes relative errors: a noisy middle point moves it less
+    # than the two ends hold it.
+    c = Calibration.fit([0.001, 0.002, 0.004], [0.005, 0.010, 0.014])
+    for e, m in zip([0.001, 0.004], [0.005, 0.014]):
+        assert abs(c.apply(e) / m - 1) < 0.1
+    # A falling line (noise) or one below the origin: the best line through the origin,
+    # scale = sum(e/m) / sum((e/m)^2).
+    for measured in ([0.010, 0.008], [0.001, 0.012]):
+        c = Calibration.fit([0.001, 0.004], measured)
+        b = [0.001 / measured[0], 0.004 / measured[1]]
+        assert (c.offset, c.scale) == (0.0, pytest.approx(sum(b) / sum(x * x for x in b)))
+
+
+def test_calibration_applies_per_collective_and_kind():
+    cal = {"allgather/uncompressed": Calibration(0.001, 2.0), "all_reduce/quantized 2-hop": Calibration(0.0, 0.5),
+           "reduce_scatter/quantized flat": Calibration(0.002, 1.5)}
+    m = synthetic()
+    calibrated = CostModel(m.world, m.node_size, m.device, m.intra, m.inter, m.kernels, calibration=cal)
+    for collective, policy in POLICIES:
+        raw = m.predict(collective, 1 << 16, torch.bfloat16, policy)
+        p = calibrated.predict(collective, 1 << 16, torch.bfloat16, policy)
+        key = f"{collective}/{m.kind(collective, policy)}"
+        want = raw.seconds if key not in cal else cal[key].offset + cal[key].scale * raw.seconds
+        assert p.seconds == pytest.approx(want) and p.estimate_s == raw.seconds, (collective, policy)
+        assert (p.intra_bytes, p.inter_bytes, p.kernel_s) == (raw.intra_bytes, raw.inter_bytes, raw.kernel_s)
+    # The kinds by hand: the default reduce-scatter and all-reduce take 2 hops on 2 x 2.
+    assert [m.kind(c, p) for c, p in POLICIES] == [
+        "uncompressed", "quantized", "uncompressed", "quantized 2-hop", "quantized flat", "uncompressed",
+        "quantized 2-hop"]
+    assert calibrated.fingerprint() != m.fingerprint()
+    assert CostModel.from_dict(calibrated.to_dict()).to_dict() == calibrated.to_dict()
+    with pytest.raises(ValueError, match="CostModel.calibration"):
+        CostModel(m.world, m.node_size, m.device, m.intra, m.inter, m.kernels,
+                  calibration={"broadcast/quantized": Calibration(0.0, 1.0)})
+    with pytest.raises(ValueError, match="Calibration.scale"):
+        Calibration(0.0, 0.0)
+    with pytest.raises(ValueError, match="Calibration.offset"):
+        Calibration(-1.0, 1.0)
 
 
 def test_checks():
@@ -147,6 +191,10 @@ def test_probe_bounded_agreed_cached():
         for bits, (stats_bytes, predicted) in counted.items():
             assert stats_bytes == predicted, (bits, stats_bytes, predicted)
     assert first["inter"]["bandwidth"] > 0 and first["intra"]["latency"] > 0
+    # Every collective's two kinds calibrated from whole calls.
+    assert sorted(first["calibration"]) == sorted(
+        ["allgather/uncompressed", "allgather/quantized"]
+        + [f"{c}/{k}" for c in ("reduce_scatter", "all_reduce") for k in ("uncompressed", "quantized 2-hop", "quantized flat")])
 
 
 def _disagree(rank, world, models, path):
