@@ -205,3 +205,30 @@ def test_zero_engine_with_auto_trains_as_the_chosen_configuration(fast):
         assert auto != zero3
         assert set(counts["allgather"]) == {"quantized"}
         assert all(name.startswith("quantized") for name in counts["reduce_scatter"])
+
+
+def _reduce_scatter_paths(rank, world, models):
+    out = {}
+    for name, model in models.items():
+        g = qcoll.new_group(node_size=NODE_SIZE)
+        qcoll.cost_model(g, model=model)
+        got, fixed = _calls(g, rank, world)
+        out[name] = _which(got, fixed)["rs"]
+        g.close()
+    return out
+
+
+def test_calibration_decides_between_the_paths():
+    # The same rates (quantizing pays); a calibration that makes one path's calls 10x their
+    # estimate sends auto down the other one.
+    import dataclasses
+
+    from qcoll.cost import Calibration
+
+    base = synthetic(inter_gbit=0.1)
+    models = {slow: dataclasses.replace(base, calibration={f"reduce_scatter/quantized {slow}": Calibration(0.0, 10.0)})
+              for slow in ("flat", "2-hop")}
+    results = run_ranks(4, _reduce_scatter_paths, models, timeout=240)
+    assert all(r == results[0] for r in results)
+    assert results[0]["flat"] == ["('rs', None, 8)"]  # the 2-hop call, bit for bit
+    assert results[0]["2-hop"] == ["('rs', False, 8)"]  # the flat one
