@@ -62,7 +62,7 @@ _REPEATS = 3
 # Calibration: whole calls at total bytes from _CALIBRATION_START, 4x up to _CALIBRATION_MAX,
 # until the slower kind's call takes _CALIBRATION_TARGET_S (at least two sizes: a line needs
 # two points; far apart, so that it extrapolates to large calls).
-_CALIBRATION_START, _CALIBRATION_MAX = 1 << 20, 16 << 20
+_CALIBRATION_START, _CALIBRATION_MAX = 1 << 20, 64 << 20
 _CALIBRATION_TARGET_S = 0.1
 _CALIBRATION_REPEATS = 7  # timed calls per size (their median): small calls are bimodal
 _CALIBRATION_DTYPE = torch.bfloat16
