@@ -17,20 +17,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "suites"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: its suites and timing
 
 import qcoll  # noqa: E402
 from qcoll import _C  # noqa: E402
 from qcoll._dtypes import DTYPE_CODES as CODES  # noqa: E402
 from qcoll._formats import format_code  # noqa: E402
+from suites.kernels import _dev_args, _wire_sources  # noqa: E402
 
 NBYTES = 256 << 20
 DEV = torch.device("cuda")
-
-
-def _stream_args():
-    return 1, 0, torch.cuda.current_stream(DEV).cuda_stream
 
 
 def quantize(dtype, bits):
@@ -46,32 +42,22 @@ def dequantize(dtype, bits):
     return lambda: qcoll.dequantize(q, out=out)
 
 
-def _wire(n, sources, bits):
-    gs = qcoll.DEFAULT_GROUP_SIZE
-    chunk = _C.wire_chunk_bytes(format_code(bits), gs, 0, n)
-    x = torch.randn(sources * n, device=DEV)
-    buf = torch.empty(sources * chunk, dtype=torch.uint8, device=DEV)
-    _C.encode_chunks(x.data_ptr(), 0, n, 0, n, sources, 0, 1, format_code(bits), gs, buf.data_ptr(),
-                     chunk, *_stream_args())
-    return buf, chunk
-
-
 def reduce_requant(sources, in_bits=8, out_bits=4):
     n, gs = NBYTES // 4, qcoll.DEFAULT_GROUP_SIZE
-    buf, chunk = _wire(n, sources, in_bits)
+    (buf,), chunk = _wire_sources(n, sources, in_bits, DEV, 1)
     out_chunk = _C.wire_chunk_bytes(format_code(out_bits), gs, 0, n)
     out = torch.empty(out_chunk, dtype=torch.uint8, device=DEV)
     return lambda: _C.reduce_chunks(buf.data_ptr(), format_code(in_bits), gs, 0, n, sources, chunk, 1, 0, 1.0,
-                                    out.data_ptr(), format_code(out_bits), out_chunk, 0, 0, 0, *_stream_args())
+                                    out.data_ptr(), format_code(out_bits), out_chunk, 0, 0, 0, *_dev_args(DEV))
 
 
 def reduce_values(dtype, sources=2, in_bits=4):
     n, gs = NBYTES // dtype.itemsize, qcoll.DEFAULT_GROUP_SIZE
-    buf, chunk = _wire(n, sources, in_bits)
+    (buf,), chunk = _wire_sources(n, sources, in_bits, DEV, 1)
     out = torch.empty(n, dtype=dtype, device=DEV)
     return lambda: _C.reduce_chunks(buf.data_ptr(), format_code(in_bits), gs, CODES[dtype], n, sources, chunk,
                                     1, 0, float(sources), 0, 0, 0, out.data_ptr(), CODES[dtype], n,
-                                    *_stream_args())
+                                    *_dev_args(DEV))
 
 
 CASES = {

@@ -117,8 +117,11 @@ class Prediction:
     kernel_s: float
     intra_bytes: int
     inter_bytes: int
-    # The rates' own estimate (intra_s + inter_s + kernel_s); `seconds` is it calibrated.
-    estimate_s: float = 0.0
+
+    @property
+    def estimate_s(self) -> float:
+        """The rates' own estimate; `seconds` is it calibrated."""
+        return self.intra_s + self.inter_s + self.kernel_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +157,6 @@ class Calibration:
 
     def apply(self, estimate: float) -> float:
         return self.offset + self.scale * estimate
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,10 +367,9 @@ def _pipeline(hops: list) -> list:
 
 def _sum(parts: list) -> Prediction:
     intra_s, inter_s, kernel_s = (sum(p[i] for p in parts) for i in range(3))
-    total = intra_s + inter_s + kernel_s
-    return Prediction(seconds=total, intra_s=intra_s, inter_s=inter_s,
+    return Prediction(seconds=intra_s + inter_s + kernel_s, intra_s=intra_s, inter_s=inter_s,
                       kernel_s=kernel_s, intra_bytes=int(sum(p[3] for p in parts)),
-                      inter_bytes=int(sum(p[4] for p in parts)), estimate_s=total)
+                      inter_bytes=int(sum(p[4] for p in parts)))
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
