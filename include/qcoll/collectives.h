@@ -49,7 +49,8 @@ void all_gather(const AllGatherPlan& plan, const CollectiveBuffers& buffers, DTy
 // world * n elements). Flat plan: one all-to-all over `world`. Two-hop plan: intra-node
 // all-to-all over `intra` with the slices reordered (Algorithm 2 of ZeRO++), fused
 // dequantize-reduce-quantize, inter-node all-to-all over `inter`, dequantize-reduce.
-// Raw flat plan (format kRaw, one hop): the transport's own reduce-scatter.
+// Raw flat plan (format kRaw, one hop): the transport's own reduce-scatter, or with the
+// plan's raw_exchange one all-to-all of the raw inputs and their fp32 sum (rounded once).
 void reduce_scatter(const ReduceScatterPlan& plan, const CollectiveBuffers& buffers, DType dtype,
                     ReduceOp op, Communicator& world, Communicator* intra, Communicator* inter,
                     const Device& device, Traffic& traffic, uint32_t sequence = 0);

@@ -41,6 +41,18 @@ struct ReduceScatterPlan {
   // inter-node hop (nodes rows of n elements).
   bool encodes_input() const { return first.quantized(); }
   bool reencodes_partial_sums() const { return two_hop && second.quantized(); }
+  // Flat and unquantized: the transport's own reduce-scatter (the baseline; its bf16/fp16
+  // sums round at every step), unless the plan was asked for the raw exchange: the raw
+  // values to their owner (all-to-all), summed there in fp32 and rounded once.
+  bool raw_exchange = false;
+  bool flat_raw() const { return !two_hop && !first.quantized(); }
+  bool transport_reduces() const { return flat_raw() && !raw_exchange; }
+  // The raw exchange sends the input as it lies when its partitions are whole wire slots:
+  // one stage, no slot headers, no send slots (else they are copied into slots).
+  bool sends_input() const {
+    return flat_raw() && raw_exchange &&
+           first.chunk_bytes(n) == n * static_cast<int64_t>(dtype_size(first.raw_dtype));
+  }
 
   int64_t slice_begin(int32_t s) const { return s * slice; }
   int64_t slice_len(int32_t s) const {
@@ -48,19 +60,24 @@ struct ReduceScatterPlan {
     return rest <= 0 ? 0 : (rest < slice ? rest : slice);
   }
   // Slot bytes of stage s (the wire carries exactly these, the last stage's may be shorter).
-  int64_t first_chunk(int32_t s) const { return header + first.chunk_bytes(slice_len(s)); }
+  int64_t first_chunk(int32_t s) const {
+    if (sends_input()) return slice_len(s) * static_cast<int64_t>(dtype_size(first.raw_dtype));  // a partition
+    return header + first.chunk_bytes(slice_len(s));
+  }
   int64_t second_chunk(int32_t s) const {
     return two_hop ? header + second.chunk_bytes(slice_len(s)) : 0;
   }
 
-  // Workspace: per stage, [send1 | recv1 | send2 | recv2] sized for a full slice.
+  // Workspace: per stage, [send1 | recv1 | send2 | recv2] sized for a full slice (no send1
+  // when the hop sends the input).
+  int64_t send1_bytes() const { return sends_input() ? 0 : world * (header + first.chunk_bytes(slice)); }
   int64_t stage_bytes() const {
-    return 2 * world * (header + first.chunk_bytes(slice)) +
+    return send1_bytes() + world * (header + first.chunk_bytes(slice)) +
            (two_hop ? 2 * nodes * (header + second.chunk_bytes(slice)) : 0);
   }
   int64_t workspace_bytes() const { return call_check + stages * stage_bytes(); }
   int64_t send1(int32_t s) const { return call_check + s * stage_bytes(); }
-  int64_t recv1(int32_t s) const { return send1(s) + world * (header + first.chunk_bytes(slice)); }
+  int64_t recv1(int32_t s) const { return send1(s) + send1_bytes(); }
   int64_t send2(int32_t s) const { return recv1(s) + world * (header + first.chunk_bytes(slice)); }
   int64_t recv2(int32_t s) const { return send2(s) + nodes * (header + second.chunk_bytes(slice)); }
 };
@@ -69,7 +86,8 @@ struct ReduceScatterPlan {
 // the flat 1-hop path over the whole group; 1 or -1 (the default) take the 2-hop path
 // whenever the group has several nodes of several ranks (otherwise there is one hop).
 // headers: the call is checked across ranks first and every slot starts with a ChunkHeader
-// (host buffers only). min_stage_bytes: the
+// (host buffers only). raw_exchange: a flat unquantized plan exchanges the raw inputs and sums
+// them in fp32 (rounding once) instead of handing the call to the transport. min_stage_bytes: the
 // smallest slice (input bytes of one partition) a pipeline stage may have. hadamard_size:
 // the quantized hops carry Hadamard-smoothed codes (0: off); raw hops carry plain values.
 // Partial sums stay in the transformed domain between the hops (sums commute with it);
@@ -78,7 +96,7 @@ ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t 
                                       CodeFormat intra, CodeFormat inter, int64_t group_size,
                                       int32_t stages, int32_t hierarchical, bool headers = false,
                                       int64_t min_stage_bytes = kMinPipelineStageBytes,
-                                      int32_t hadamard_size = 0);
+                                      int32_t hadamard_size = 0, bool raw_exchange = false);
 
 // All-gather of n elements per rank: one slot per rank.
 struct AllGatherPlan {

@@ -29,11 +29,16 @@ from .group import resolve_group
 from .policy import ALL_REDUCE, AllReducePolicy
 
 _WHAT = "quantized_all_reduce"
-# A bits=None bf16/fp16 all-reduce goes through the transport's fp32 all-reduce, this many
-# elements at a time (a 64 MB fp32 workspace at most): twice the bytes of a bf16 ring, but
-# one exchange; a reduce-scatter (fp32 partial sums across nodes) then an all-gather moved
-# fewer bytes and ran 1.45x torch's bf16 all-reduce (bench/results/sizes-*.json).
+# A bits=None bf16/fp16 all-reduce on CPU (summed in fp32, rounded once) takes, by size:
+# - below _EXCHANGE_MIN_BYTES, the transport's all-reduce of fp32 copies, this many elements
+#   at a time (a 64 MB fp32 workspace at most): twice the bytes, but one exchange;
+# - from it, the flat reduce-scatter that sends the raw inputs to their owner (an
+#   all-to-all, the bytes of a bf16 ring's reduce half) and sums them there in fp32, then
+#   the all-gather of the rounded shards. At 4-64 MB the fp32 all-reduce ran 1.7-2.2x
+#   torch's bf16 one, this 0.9-1.4x; at 64-256 KB this ran 1.24-1.33x, the fp32 one
+#   1.08-1.22x; at 1 MB 1.13-1.15x against 1.20-1.29x (bench/results/probe-bf16-all-reduce-cpu.txt).
 _UPCAST_CHUNK = 1 << 24
+_EXCHANGE_MIN_BYTES = 1 << 20
 _F32 = _C.DTYPES["float32"]
 
 
@@ -52,9 +57,13 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
        one node): every rank, the shard's owner too, decodes the same bytes, so the result
        is bit-identical on every rank.
     bits=None (inter_bits None too) is unquantized: on CPU the transport's own all-reduce
-    (gloo's, torch's same call), of fp32 values for bf16/fp16 tensors; either way the sum
-    is fp32 and rounded once to the tensor's dtype, so a bf16/fp16 result is within half an
-    ulp of the fp32 sum of the inputs (gloo's and NCCL's own bf16 sums round at every step).
+    (gloo's, torch's same call) for fp32; for bf16/fp16 from 1 MB the flat reduce-scatter of
+    the raw inputs then the all-gather (hierarchical is ignored), below 1 MB the transport's
+    all-reduce of fp32 copies; on GPU the two halves (a flat bf16/fp16 reduce-scatter
+    exchanging the raw inputs, a 2-hop one carrying fp32 partial sums across nodes).
+    Every way the sum is fp32 and rounded once to the tensor's
+    dtype, so a bf16/fp16 result is within half an ulp of the fp32 sum of the inputs (gloo's
+    and NCCL's own bf16 sums round at every step).
     error_feedback: a qcoll.ErrorFeedback kept for this tensor (see qcoll.error_feedback):
     the residuals of this rank's input encode, of its partial sums' inter-node re-encode
     (2-hop) and of its shard's all-gather encode.
@@ -78,15 +87,19 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     call.debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, rs.intra_code, rs.inter_code,
                          group_size, stages, hierarchical, error_feedback is not None), tensor.device)
 
+    # A flat unquantized bf16/fp16 reduce-scatter sums in fp32 here, not in the transport.
+    raw_exchange = rs.unquantized and code != _F32
     if (rs.unquantized and error_feedback is None and not on_gpu(tensor.device)
             and call.has_transport_all_reduce(g, tensor.device)):
-        return _transport_all_reduce(g, tensor, code, op_code, async_op)
+        if code == _F32 or tensor.numel() * tensor.element_size() < _EXCHANGE_MIN_BYTES:
+            return _transport_all_reduce(g, tensor, code, op_code, async_op)
+        hierarchical = False  # the raw inputs straight to their owner
 
     numel = tensor.numel()
     n = -(-numel // size)  # shard elements; the tensor is padded to size * n
     device = tensor.device
     reduce_scatter = ReduceScatter(g, n, code, op_code, rs.intra_code, rs.inter_code, group_size, stages,
-                                   hierarchical, device)
+                                   hierarchical, device, raw_exchange=raw_exchange)
     rs_plan = reduce_scatter.plan
     # The shards cross nodes (if the group spans several) in the format the plan crosses them with.
     gather_format = rs_plan.second_format

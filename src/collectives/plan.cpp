@@ -22,7 +22,8 @@ WireFormat wire(CodeFormat format, int64_t group_size, DType dtype, int32_t hada
 ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t n, DType dtype,
                                       CodeFormat intra, CodeFormat inter, int64_t group_size,
                                       int32_t stages, int32_t hierarchical, bool headers,
-                                      int64_t min_stage_bytes, int32_t hadamard_size) {
+                                      int64_t min_stage_bytes, int32_t hadamard_size,
+                                      bool raw_exchange) {
   QCOLL_ARG_CHECK(world >= 1 && node_size >= 1 && world % node_size == 0, "node_size ",
                   node_size, " must divide the group size ", world);
   QCOLL_ARG_CHECK(n >= 0, "output numel must be >= 0, got ", n);
@@ -54,6 +55,12 @@ ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t 
     // One hop: it crosses nodes whenever the group spans several.
     p.first = wire(p.nodes > 1 ? inter : intra, group_size, dtype, hadamard_size);
     p.second = p.first;
+  }
+  p.raw_exchange = raw_exchange;
+  if (p.sends_input()) {  // nothing to encode, so nothing for stages to overlap
+    p.stages = 1;
+    p.slice = n;
+    p.header = 0;  // the call check covers the call; raw all-gather slots carry none either
   }
   return p;
 }

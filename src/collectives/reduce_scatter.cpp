@@ -87,6 +87,11 @@ void reduce_into_output(const Call& c, int32_t s, const uint8_t* slots, const Wi
 void flat_stage(const Call& c, int32_t s, Communicator& world, const Device& device) {
   const ReduceScatterPlan& p = c.p;
   const int64_t slot = p.first_chunk(s);
+  if (p.sends_input()) {  // partition k of the input is the slot for rank k
+    world.all_to_all(c.b.input, c.b.workspace.at(p.recv1(s)), slot, device, c.traffic);
+    reduce_into_output(c, s, bytes(c.b.workspace.at(p.recv1(s))), p.first, p.world, slot, device);
+    return;
+  }
   encode_stage(c, s, device);
   stamp(c, s, Exchange::kFlat, p.first, bytes(c.b.workspace.at(p.send1(s))), slot, p.world,
         world.rank(), p.world - 1);
@@ -185,7 +190,7 @@ void reduce_scatter(const ReduceScatterPlan& p, const CollectiveBuffers& b, DTyp
     call.n = p.n;
     check_call(world, b.workspace, call, device, traffic);
   }
-  if (!p.two_hop && !p.first.quantized()) {  // the baseline: the transport's reduce-scatter
+  if (p.transport_reduces()) {  // the baseline: the transport's reduce-scatter
     world.reduce_scatter(b.input, b.output, p.n, dtype, op, device, traffic);
     return;
   }

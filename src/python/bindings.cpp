@@ -144,6 +144,8 @@ void bind_collectives(py::module_& m) {
       .def_property_readonly("second_format", [](const qcoll::ReduceScatterPlan& p) { return static_cast<int>(p.second.format); })
       .def_property_readonly("encodes_input", &qcoll::ReduceScatterPlan::encodes_input)
       .def_property_readonly("reencodes_partial_sums", &qcoll::ReduceScatterPlan::reencodes_partial_sums)
+      .def_property_readonly("transport_reduces", &qcoll::ReduceScatterPlan::transport_reduces)
+      .def_property_readonly("sends_input", &qcoll::ReduceScatterPlan::sends_input)
       .def("first_chunk", &qcoll::ReduceScatterPlan::first_chunk)
       .def("second_chunk", &qcoll::ReduceScatterPlan::second_chunk)
       .def("slice_len", &qcoll::ReduceScatterPlan::slice_len)
@@ -152,18 +154,18 @@ void bind_collectives(py::module_& m) {
       "plan_reduce_scatter",
       [](int world, int node_size, int64_t n, int dtype, int intra_format, int inter_format,
          int64_t group_size, int stages, int hierarchical, bool headers, int64_t min_stage_bytes,
-         int hadamard_size) {
+         int hadamard_size, bool raw_exchange) {
         return qcoll::plan_reduce_scatter(world, node_size, n, static_cast<qcoll::DType>(dtype),
                                           static_cast<qcoll::CodeFormat>(intra_format),
                                           static_cast<qcoll::CodeFormat>(inter_format), group_size,
                                           stages, hierarchical, headers, min_stage_bytes,
-                                          hadamard_size);
+                                          hadamard_size, raw_exchange);
       },
       py::arg("world"),
         py::arg("node_size"), py::arg("n"), py::arg("dtype"), py::arg("intra_format"),
         py::arg("inter_format"), py::arg("group_size"), py::arg("stages"), py::arg("hierarchical"),
         py::arg("headers") = false, py::arg("min_stage_bytes") = qcoll::kMinPipelineStageBytes,
-        py::arg("hadamard_size") = 0);
+        py::arg("hadamard_size") = 0, py::arg("raw_exchange") = false);
   py::class_<qcoll::AllGatherPlan>(m, "AllGatherPlan")
       .def_property_readonly("chunk", &qcoll::AllGatherPlan::chunk)
       .def_readonly("header", &qcoll::AllGatherPlan::header)

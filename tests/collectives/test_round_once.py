@@ -7,6 +7,7 @@ at every step and is not."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -55,11 +56,16 @@ def _worker(rank, world, node_size, dtype, n, ar_numels):
         report[f"rs {op} stats"] = qcoll.stats()["reduce_scatter"]
         for numel in ar_numels:
             xs = _inputs(world, numel, dtype)
-            x = xs[rank].clone()
-            qcoll.reset_stats()
-            qcoll.quantized_all_reduce(x, g, op=op, bits=None)
-            report[f"ar {numel} {op}"] = over_half_ulp(x, xs, div)
-            report[f"ar {numel} {op} stats"] = qcoll.stats()["all_reduce"]
+            # Below 1 MB the fp32 all-reduce, from it the exchange: each forced here.
+            for path, threshold in (("fp32", 1 << 40), ("exchange", 0)):
+                sys.modules["qcoll.all_reduce"]._EXCHANGE_MIN_BYTES = threshold
+                if path == "exchange":  # its bytes below: a call whose signature is checked
+                    qcoll.quantized_all_reduce(xs[rank].clone(), g, op=op, bits=None)
+                x = xs[rank].clone()
+                qcoll.reset_stats()
+                qcoll.quantized_all_reduce(x, g, op=op, bits=None)
+                report[f"ar-{path} {numel} {op}"] = over_half_ulp(x, xs, div)
+                report[f"ar-{path} {numel} {op} stats"] = qcoll.stats()["all_reduce"]
     # gloo's own bf16 sum, for contrast (not asserted on: it is what qcoll does better).
     theirs = torch.empty(n, dtype=dtype)
     dist.reduce_scatter_tensor(theirs, inputs[rank], op=dist.ReduceOp.SUM)
@@ -72,17 +78,27 @@ def _worker(rank, world, node_size, dtype, n, ar_numels):
 def test_bits_none_rounds_once(world, node_size, dtype):
     n = 4099
     # The all-reduce sums fp32 copies, 1000 elements at a time here: one part, and five.
-    reports = run_ranks(world, _worker, node_size, dtype, n, (999, 4099), timeout=120)
+    reports = run_ranks(world, _worker, node_size, dtype, n, (999, 4099, world * 1024), timeout=120)
     nodes = world // node_size
     for rank, rep in enumerate(reports):
         for key, value in rep.items():
-            if key.startswith("ar") and key.endswith("stats"):  # one call, its fp32 bytes
+            if key.startswith("ar-fp32") and key.endswith("stats"):  # one call, its fp32 bytes
                 numel = int(key.split()[1])
                 shards = sum(-(-min(1000, numel - b) // world) for b in range(0, numel, 1000))
                 # fp32 reduce-scatter + all-gather of each part, and the call header (each
                 # of these calls is its signature's first)
                 assert value["calls"] == 1 and value["inter_bytes"] == (world - node_size) * (
                     2 * 4 * shards + 32), (key, value)
+                continue
+            if key.startswith("ar-exchange") and key.endswith("stats"):
+                # The raw inputs to their owner (then the shards back): a bf16 ring's
+                # payload. Partitions of whole 16-byte slots go as they lie, others in
+                # slots with headers (no call check: the signature's second call).
+                shard = -(-int(key.split()[1]) // world)
+                payload = shard * dtype.itemsize
+                sent = payload if payload % 16 == 0 else 32 + -(-payload // 16) * 16
+                assert value["calls"] == 1 and value["inter_bytes"] == (world - node_size) * (
+                    sent + payload), (key, value)
                 continue
             if key == "gloo" or key.endswith("stats"):
                 continue

@@ -135,6 +135,29 @@ def test_plan_reports_the_encodes_error_feedback_compensates():
     assert (p.two_hop, p.encodes_input, p.reencodes_partial_sums) == (False, True, False)
 
 
+def test_raw_exchange_plan_sends_the_input_as_it_lies_when_partitions_fill_whole_slots():
+    """The all-reduce's bf16/fp16 bits=None exchange: never the transport's reduce-scatter;
+    partitions of whole 16-byte slots go straight from the input (one stage, no headers, no
+    send slots), others are copied into slots like any encode."""
+    bf16 = _C.DTYPES["bfloat16"]
+
+    def plan(n, raw_exchange, stages=4, hierarchical=0):
+        return _C.plan_reduce_scatter(4, 2, n, bf16, RAW, RAW, 128, stages, hierarchical, True, 0, 0, raw_exchange)
+
+    baseline = plan(1024, False)
+    assert baseline.transport_reduces and not baseline.sends_input
+    whole = plan(1024, True)  # 2048 bytes a partition
+    assert not whole.transport_reduces and whole.sends_input
+    assert (whole.stages, whole.header, whole.first_chunk(0)) == (1, 0, 2048)
+    assert whole.workspace_bytes == 5 * 32 + 4 * 2048  # the call check, then receive slots only
+    odd = plan(1001, True)  # 2002 bytes: not whole slots
+    assert not odd.transport_reduces and not odd.sends_input
+    assert (odd.stages, odd.header) == (4, 32)
+    assert odd.first_chunk(0) == 32 + 512  # header + 251 elements' 502 bytes padded to 16
+    # Two hops are never the transport's, with or without the option.
+    assert not plan(1024, True, hierarchical=1).transport_reduces
+
+
 def test_call_kinds_are_read_from_the_core():
     assert sorted(_C.CALL_KINDS) == ["all-gather", "all-reduce", "reduce-scatter"]
     assert len(set(_C.CALL_KINDS.values())) == 3 and 0 not in _C.CALL_KINDS.values()
