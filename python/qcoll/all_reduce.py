@@ -26,19 +26,12 @@ from .error_feedback import (
     keep_shard_residual,
 )
 from .group import resolve_group
-from .policy import ALL_REDUCE, AllReducePolicy
+from .policy import ALL_REDUCE, AllReducePolicy, unquantized_host_all_reduce
 
 _WHAT = "quantized_all_reduce"
-# A bits=None bf16/fp16 all-reduce on CPU (summed in fp32, rounded once) takes, by size:
-# - below _EXCHANGE_MIN_BYTES, the transport's all-reduce of fp32 copies, this many elements
-#   at a time (a 64 MB fp32 workspace at most): twice the bytes, but one exchange;
-# - from it, the flat reduce-scatter that sends the raw inputs to their owner (an
-#   all-to-all, the bytes of a bf16 ring's reduce half) and sums them there in fp32, then
-#   the all-gather of the rounded shards. At 4-64 MB the fp32 all-reduce ran 1.7-2.2x
-#   torch's bf16 one, this 0.9-1.4x; at 64-256 KB this ran 1.24-1.33x, the fp32 one
-#   1.08-1.22x; at 1 MB 1.13-1.15x against 1.20-1.29x (bench/results/probe-bf16-all-reduce-cpu.txt).
+# A bits=None bf16/fp16 all-reduce through the transport's all-reduce of fp32 copies goes
+# this many elements at a time (a 64 MB fp32 workspace at most).
 _UPCAST_CHUNK = 1 << 24
-_EXCHANGE_MIN_BYTES = 1 << 20
 _F32 = _C.DTYPES["float32"]
 
 
@@ -87,11 +80,10 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     call.debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, rs.intra_code, rs.inter_code,
                          group_size, stages, hierarchical, error_feedback is not None), tensor.device)
 
-    # A flat unquantized bf16/fp16 reduce-scatter sums in fp32 here, not in the transport.
-    raw_exchange = rs.unquantized and code != _F32
+    raw_exchange = policy.raw_exchange(tensor.element_size())
     if (rs.unquantized and error_feedback is None and not on_gpu(tensor.device)
             and call.has_transport_all_reduce(g, tensor.device)):
-        if code == _F32 or tensor.numel() * tensor.element_size() < _EXCHANGE_MIN_BYTES:
+        if unquantized_host_all_reduce(tensor.element_size(), tensor.numel()) == "transport":
             return _transport_all_reduce(g, tensor, code, op_code, async_op)
         hierarchical = False  # the raw inputs straight to their owner
 

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from . import _C
 from ._runtime import call
 from ._formats import FORMATS, RAW_CODE, format_code, format_of
-from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
+from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy, unquantized_host_all_reduce
 
 RAW = "raw"  # the kernel-rate key of unquantized hops (copy to send, fp32 add to reduce)
 COLLECTIVES = ("allgather", "reduce_scatter", "all_reduce")
@@ -313,15 +313,15 @@ class CostModel:
         intra, inter = self._ring(plan.chunk)
         return [(*self._exchange(intra, inter), kernel, intra, inter)]
 
-    def _rs_plan(self, n: int, dtype, p: ReduceScatterPolicy):
+    def _rs_plan(self, n: int, dtype, p: ReduceScatterPolicy, raw_exchange: bool = False):
         hier = -1 if p.hierarchical is None else int(p.hierarchical)
         return _C.plan_reduce_scatter(self.world, self.node_size, n, _dtype_code(dtype), p.intra_code,
                                       p.inter_code, p.group_size, p.pipeline_stages, hier,
-                                      self.device == "cpu", _MIN_STAGE_BYTES, p.hadamard_block)
+                                      self.device == "cpu", _MIN_STAGE_BYTES, p.hadamard_block, raw_exchange)
 
-    def _reduce_scatter(self, n: int, dtype, p: ReduceScatterPolicy) -> list:
+    def _reduce_scatter(self, n: int, dtype, p: ReduceScatterPolicy, raw_exchange: bool = False) -> list:
         """One entry per stage, each (hop1 parts, hop2 parts) folded by _pipeline."""
-        plan = self._rs_plan(n, dtype, p)
+        plan = self._rs_plan(n, dtype, p, raw_exchange)
         first, second = format_of(plan.first_format), format_of(plan.second_format)
         nodes = self.world // self.node_size
         hops = []
@@ -332,25 +332,30 @@ class CostModel:
                 b2 = (nodes - 1) * plan.second_chunk(s)
                 hop1 = (*self._exchange(b1, 0), self._kernel(first, self.world * length, self.world * length), b1, 0)
                 hop2 = (*self._exchange(0, b2), self._kernel(second, nodes * length, nodes * length), 0, b2)
-            elif first is None:  # raw: the transport's own (ring) reduce-scatter, which adds
+            elif plan.transport_reduces:  # raw: the transport's own (ring) reduce-scatter, which adds
                 bi, be = self._ring(plan.first_chunk(s))
                 if self.device == "cpu":  # gloo's takes about an all-reduce's time (auto suite, measured)
                     bi, be = 2 * bi, 2 * be
                 hop1 = (*self._exchange(bi, be), self._kernel(first, 0, self.world * length), bi, be)
-            else:  # one quantized all-to-all over the group
+            else:  # one all-to-all over the group: quantized, or the raw exchange
                 intra_peers, inter_peers = self._peers()
                 bi, be = intra_peers * plan.first_chunk(s), inter_peers * plan.first_chunk(s)
-                hop1 = (*self._exchange(bi, be), self._kernel(first, self.world * length, self.world * length), bi, be)
+                encoded = 0 if plan.sends_input else self.world * length
+                hop1 = (*self._exchange(bi, be), self._kernel(first, encoded, self.world * length), bi, be)
             hops.append((hop1, hop2 if plan.two_hop else (0.0, 0.0, 0.0, 0, 0)))
         return _pipeline(hops)
 
     def _all_reduce(self, numel: int, dtype, p: AllReducePolicy) -> list:
         n = -(-numel // self.world)
         rs = p.reduce_scatter()
-        if p.bits is None and p.inter_bits is None and self.device == "cpu":
-            dtype = torch.float32  # the transport's all-reduce of fp32 values (all_reduce.py)
-        parts = self._reduce_scatter(n, dtype, rs)
-        gather = format_of(self._rs_plan(n, dtype, rs).second_format)
+        raw_exchange = p.raw_exchange(dtype.itemsize)  # as all_reduce.py plans it
+        if p.unquantized and self.device == "cpu":
+            if unquantized_host_all_reduce(dtype.itemsize, numel) == "transport":
+                dtype, raw_exchange = torch.float32, False  # its all-reduce of fp32 values
+            else:
+                rs = dataclasses.replace(rs, hierarchical=False)
+        parts = self._reduce_scatter(n, dtype, rs, raw_exchange)
+        gather = format_of(self._rs_plan(n, dtype, rs, raw_exchange).second_format)
         return parts + self._all_gather(n, dtype, gather, p.group_size)
 
 

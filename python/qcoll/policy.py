@@ -169,12 +169,38 @@ class AllReducePolicy(_Policy):
         """The format across nodes: inter_bits, or bits when inter_bits is None."""
         return self.bits if self.inter_bits is None else self.inter_bits
 
+    def raw_exchange(self, itemsize: int) -> bool:
+        """Whether the reduce-scatter half, when flat, exchanges the raw inputs and sums them
+        in fp32 (the plan's raw_exchange) rather than being the transport's own: unquantized
+        bf16/fp16, so that the all-reduce rounds once."""
+        return self.unquantized and itemsize != 4
+
     def reduce_scatter(self) -> ReduceScatterPolicy:
         """The policy of the reduce-scatter half (the all-gather half crosses nodes in the
         format its plan crosses them with)."""
         return ReduceScatterPolicy(intra_bits=self.bits, inter_bits=self.cross_bits,
                                    group_size=self.group_size, pipeline_stages=self.pipeline_stages,
                                    hierarchical=self.hierarchical)
+
+
+# A bits=None bf16/fp16 all-reduce of host tensors over a transport with its own all-reduce
+# (gloo) sums in fp32 and rounds once on one of two paths, by size:
+# - "transport", below this many bytes: the transport's all-reduce of fp32 copies (twice the
+#   bytes, but one exchange); fp32 tensors always (the transport's sum is qcoll's);
+# - "exchange", from it: the flat reduce-scatter that sends the raw inputs to their owner
+#   (the plan's raw_exchange: an all-to-all, the bytes of a bf16 ring's reduce half), summed
+#   there in fp32, then the all-gather of the rounded shards. At 4-64 MB the fp32 all-reduce
+#   ran 1.7-2.2x torch's bf16 one, this 0.9-1.4x; at 64-256 KB this ran 1.24-1.33x, the
+#   fp32 one 1.08-1.22x; at 1 MB 1.13-1.15x against 1.20-1.29x
+#   (bench/results/probe-bf16-all-reduce-cpu.txt).
+UNQUANTIZED_EXCHANGE_MIN_BYTES = 1 << 20
+
+
+def unquantized_host_all_reduce(itemsize: int, numel: int) -> str:
+    """The path of a bits=None all-reduce of host tensors: "transport" or "exchange" (above)."""
+    if itemsize == 4 or numel * itemsize < UNQUANTIZED_EXCHANGE_MIN_BYTES:
+        return "transport"
+    return "exchange"
 
 
 def take_policy(policy, loose: _Policy, defaults: _Policy, name: str = "policy",

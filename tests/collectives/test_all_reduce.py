@@ -6,8 +6,6 @@ every rank, and lie within the summed error bounds of the exact mean or sum."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,7 +70,6 @@ def _transport_all_reduce(inputs, rank, op):
 
 def _all_reduce_worker(rank, world, node_size, cases):
     qcoll._runtime.steps.MIN_STAGE_BYTES = 0  # every requested stage runs, as simulated
-    all_reduce_module = sys.modules["qcoll.all_reduce"]
     g = qcoll.new_group(node_size=node_size)
     results = []
     for case in cases:
@@ -87,7 +84,7 @@ def _all_reduce_worker(rank, world, node_size, cases):
                       pipeline_stages=case["stages"], hierarchical=case["hierarchical"])
             what = f"{dtype} numel={numel} world={world}/{node_size} {kw} {path}"
             x = inputs[rank].clone()
-            all_reduce_module._EXCHANGE_MIN_BYTES = 0 if path == "exchange" else 1 << 20
+            qcoll.policy.UNQUANTIZED_EXCHANGE_MIN_BYTES = 0 if path == "exchange" else 1 << 20
             qcoll.quantized_all_reduce(x, g, **kw)
             expected, bound = simulate_all_reduce(
                 inputs, node_size, dtype=dtype, op=op, bits=bits, inter_bits=inter_bits,

@@ -65,6 +65,20 @@ def test_predicted_raw_all_gather_by_hand():
     assert p.seconds == pytest.approx(6000 / (8 * GBIT) + 6000 / GBIT + 1e-3)
 
 
+def test_unquantized_bf16_all_reduce_predicted_on_the_path_it_takes():
+    """Below 1 MB the transport's all-reduce of fp32 copies (predicted as the fp32 call);
+    from 1 MB the raw exchange: an all-to-all of the raw bf16 partitions (sent as they lie:
+    no headers, no copy) summed at the owner, then the transport's ring all-gather."""
+    m = synthetic()
+    raw = AllReducePolicy(bits=None)
+    assert m.predict("all_reduce", 1 << 18, torch.bfloat16, raw) == m.predict("all_reduce", 1 << 18, torch.float32, raw)
+    p = m.predict("all_reduce", 1 << 20, torch.bfloat16, raw)  # 2 MB: 512 KB partitions
+    part = (1 << 18) * 2
+    # all-to-all: 1 local peer, 2 remote; ring all-gather: 3 edges, half of them cross nodes
+    assert (p.intra_bytes, p.inter_bytes) == (part + 3 * part // 2, 2 * part + 3 * part // 2)
+    assert p.kernel_s == pytest.approx(4 * (1 << 18) / 4e9)  # the fp32 add of 4 sources, no encode
+
+
 def test_calibration_line_and_fallback():
     # Points on a line (measured = 2 ms + 3 x estimate): that line.
     c = Calibration.fit([0.001, 0.002, 0.004], [0.005, 0.008, 0.014])

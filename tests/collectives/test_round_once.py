@@ -7,7 +7,6 @@ at every step and is not."""
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
@@ -58,7 +57,7 @@ def _worker(rank, world, node_size, dtype, n, ar_numels):
             xs = _inputs(world, numel, dtype)
             # Below 1 MB the fp32 all-reduce, from it the exchange: each forced here.
             for path, threshold in (("fp32", 1 << 40), ("exchange", 0)):
-                sys.modules["qcoll.all_reduce"]._EXCHANGE_MIN_BYTES = threshold
+                qcoll.policy.UNQUANTIZED_EXCHANGE_MIN_BYTES = threshold
                 if path == "exchange":  # its bytes below: a call whose signature is checked
                     qcoll.quantized_all_reduce(xs[rank].clone(), g, op=op, bits=None)
                 x = xs[rank].clone()
