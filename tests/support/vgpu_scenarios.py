@@ -81,6 +81,15 @@ def collectives(rank: int, world: int, node_size: int) -> dict:
              lambda out, g: qcoll.quantized_reduce_scatter(out, ints, g, op="sum", intra_bits=None,
                                                            inter_bits=None, hierarchical=False),
              f"reduce_scatter raw {dtype}")
+        # bits=None all-reduce, flat: bf16/fp16 take the raw exchange (the all-to-all of the
+        # raw inputs, straight from the tensor when partitions fill whole 16-byte slots:
+        # 1024 elements), the CPU branch the transport's fp32 all-reduce; integer values:
+        # exact either way.
+        for numel in (world * n + 5, world * 1024):
+            t_ints = torch.randint(-8, 9, (numel,), generator=gen).to(dtype)
+            same(lambda: t_ints.clone(),
+                 lambda t, g: qcoll.quantized_all_reduce(t, g, op="sum", bits=None, hierarchical=False),
+                 f"all_reduce bits=None flat numel={numel} {dtype}")
         t0 = (torch.randn(world * n + 5, generator=gen) * 2).to(dtype)
         same(lambda: t0.clone(), lambda t, g: qcoll.quantized_all_reduce(t, g, bits=8, inter_bits=4),
              f"all_reduce {dtype}")
