@@ -53,10 +53,10 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     (gloo's, torch's same call) for fp32; for bf16/fp16 from 1 MB the flat reduce-scatter of
     the raw inputs then the all-gather (hierarchical is ignored), below 1 MB the transport's
     all-reduce of fp32 copies; on GPU the two halves (a flat bf16/fp16 reduce-scatter
-    exchanging the raw inputs, a 2-hop one carrying fp32 partial sums across nodes).
-    Every way the sum is fp32 and rounded once to the tensor's
-    dtype, so a bf16/fp16 result is within half an ulp of the fp32 sum of the inputs (gloo's
-    and NCCL's own bf16 sums round at every step).
+    exchanging the raw inputs, a 2-hop one carrying fp32 partial sums across nodes). Every
+    way the sum is fp32 and rounded once to the tensor's dtype, so a bf16/fp16 result is
+    within half an ulp of the fp32 sum of the inputs (gloo's and NCCL's own bf16 sums round
+    at every step).
     error_feedback: a qcoll.ErrorFeedback kept for this tensor (see qcoll.error_feedback):
     the residuals of this rank's input encode, of its partial sums' inter-node re-encode
     (2-hop) and of its shard's all-gather encode.

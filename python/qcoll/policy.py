@@ -162,7 +162,8 @@ class AllReducePolicy(_Policy):
 
     @property
     def unquantized(self) -> bool:
-        return self.reduce_scatter().unquantized
+        # reduce_scatter().unquantized, without building that policy on every call
+        return format_code(self.bits, "bits") == RAW_CODE and format_code(self.cross_bits, "inter_bits") == RAW_CODE
 
     @property
     def cross_bits(self):
