@@ -113,6 +113,30 @@ def _nccl_checks(rank: int, world: int) -> str:
                 want = torch.empty(n, dtype=dtype)
                 qcoll.quantized_reduce_scatter(want, inp, gloo, op=op, **kw)
                 ref.assert_same_bits(out, want, f"reduce_scatter {op} {kw} {dtype}")
+
+        # bits=None all-reduce, flat: on the GPU bf16/fp16 take the raw exchange (the raw
+        # inputs to their owner in one all-to-all, straight from the tensor when partitions
+        # fill whole 16-byte slots: 1024 elements per rank here; else through slots), fp32
+        # sum, rounded once. Integer values: exact, so it must equal torch's NCCL all-reduce.
+        for numel in (world * n + 5, world * 1024):
+            t = torch.randint(-8, 9, (numel,), generator=gen).to(dtype).to(dev)
+            want = t.clone()
+            dist.all_reduce(want, group=torch_nccl)
+            qcoll.quantized_all_reduce(t, ours, op="sum", bits=None, hierarchical=False)
+            ref.assert_same_bits(t, want, f"all_reduce bits=None flat numel={numel} {dtype}")
+
+        # Quantized all-reduce and delta all-gather: the same bits as over gloo.
+        t0 = (torch.randn(world * n + 5, generator=gen) * 2).to(dtype)
+        got, want = t0.to(dev), t0.clone()
+        qcoll.quantized_all_reduce(got, ours, bits=8, inter_bits=4)
+        qcoll.quantized_all_reduce(want, gloo, bits=8, inter_bits=4)
+        ref.assert_same_bits(got, want, f"all_reduce bits=8/4 {dtype}")
+        old = torch.randn(world * n, generator=torch.Generator().manual_seed(7)).to(dtype)
+        shard = (old[rank * n:(rank + 1) * n].float() + 0.01 * torch.randn(n, generator=gen)).to(dtype)
+        got, want = old.to(dev), old.clone()
+        qcoll.delta_allgather(got, shard.to(dev), ours, bits=8)
+        qcoll.delta_allgather(want, shard, gloo, bits=8)
+        ref.assert_same_bits(got, want, f"delta_allgather {dtype}")
     torch.cuda.synchronize()
     return version
 
