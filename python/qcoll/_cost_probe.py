@@ -139,12 +139,33 @@ def _collective_call(collective: str, group, total_bytes: int, policy, device: t
     return all_reduce, world * per_rank
 
 
+# A calibration point more than this much slower per byte than the one before is measured
+# again (sizes grow 4x; a real call's time per byte grows far less between them).
+_JUMP = 1.5
+
+
+def _calibration_medians(collective: str, group, model: cm.CostModel, policies: list, nbytes: int,
+                         device: torch.device) -> tuple:
+    """(estimates, measured): per policy, the model's estimate of a call of `nbytes` and
+    the median of _CALIBRATION_REPEATS timed calls, the slowest rank's."""
+    estimates, measured = [], []
+    for policy in policies:
+        fn, numel = _collective_call(collective, group, nbytes, policy, device)
+        times = sorted(_times(fn, device, cm._CALIBRATION_REPEATS))
+        measured.append(times[len(times) // 2])
+        estimates.append(model.estimate(collective, numel, cm._CALIBRATION_DTYPE, policy).seconds)
+    return estimates, agreed_max(group, measured, device)
+
+
 def _calibration(group, model: cm.CostModel, device: torch.device, deadline: float) -> dict:
     """"<collective>/<kind>" -> Calibration from whole calls (median of the timed ones, the
     slowest rank's) at growing sizes: at least two, then until the slower kind's call takes
-    _CALIBRATION_TARGET_S, the size cap or the deadline."""
+    _CALIBRATION_TARGET_S, the next size would pass the cap, or the collective's share of
+    the time left to the deadline is spent (each its own share: the last one calibrated is
+    not left with what the others did not use up)."""
     out = {}
-    for collective, candidates in CALIBRATED.items():
+    for i, (collective, candidates) in enumerate(CALIBRATED.items()):
+        until = time.monotonic() + max(0.0, deadline - time.monotonic()) / (len(CALIBRATED) - i)
         # One call per kind: on a group without two tiers both paths are the flat one.
         kinds = {}
         for policy in candidates:
@@ -152,19 +173,23 @@ def _calibration(group, model: cm.CostModel, device: torch.device, deadline: flo
         policies = list(kinds.values())
         points = {policy: ([], []) for policy in policies}
         nbytes = cm._CALIBRATION_START
+        previous = None
         while True:
-            measured = []
-            for policy in policies:
-                fn, numel = _collective_call(collective, group, nbytes, policy, device)
-                times = sorted(_times(fn, device, cm._CALIBRATION_REPEATS))
-                measured.append(times[len(times) // 2])
-                points[policy][0].append(model.estimate(collective, numel, cm._CALIBRATION_DTYPE, policy).seconds)
-            measured = agreed_max(group, measured, device)
+            estimates, measured = _calibration_medians(collective, group, model, policies, nbytes, device)
+            if previous is not None and any(t > _JUMP * 4 * p for t, p in zip(measured, previous)):
+                # Far slower per byte than the size before: measured again, the faster kept.
+                # A lasting effect shows twice; a burst of other load on the host (seen
+                # once: 1.7x at 32 MB) does not, and a prediction runs through this point.
+                again = _calibration_medians(collective, group, model, policies, nbytes, device)[1]
+                measured = [min(a, b) for a, b in zip(measured, again)]
+            previous = measured
+            for policy, e in zip(policies, estimates):
+                points[policy][0].append(e)
             for policy, t in zip(policies, measured):
                 points[policy][1].append(t)
-            over = agreed_max(group, [float(time.monotonic() > deadline)], device)[0]
+            over = agreed_max(group, [float(time.monotonic() > until)], device)[0]
             enough = len(points[policies[0]][0]) >= 2
-            if enough and (max(measured) >= cm._CALIBRATION_TARGET_S or nbytes >= cm._CALIBRATION_MAX or over):
+            if enough and (max(measured) >= cm._CALIBRATION_TARGET_S or 4 * nbytes > cm._CALIBRATION_MAX or over):
                 break
             nbytes *= 4
         for policy, (estimates, measured) in points.items():

@@ -11,8 +11,11 @@ fastest, from:
 Auto never quantizes below what the caller asked for: every candidate's hops use the
 caller's formats or none; the flat path encodes once at the cross-node format, which the
 2-hop path applies to every element as well (after an intra-node encode of its own).
-Equal predictions go to the uncompressed call. The probe calibrates the model on whole
-calls of every kind weighed here (uncompressed, flat, 2-hop: qcoll.cost).
+The configured call (its own path and stages) is kept unless another candidate is
+predicted faster by more than KEEP_MARGIN: the model's predictions spread by about that
+much from run to run, so a smaller predicted gain is no evidence, and switching on it
+flips between near-equal calls and loses as often as it wins. The probe calibrates the
+model on whole calls of every kind weighed here (uncompressed, flat, 2-hop: qcoll.cost).
 
 The choice depends only on the call's description (kind, sizes, dtype, the configured
 policy), the group's shape and its cost model, which every rank holds identically
@@ -44,6 +47,9 @@ from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
 
 AUTO = "auto"
 UNCOMPRESSED = "uncompressed"
+# Another candidate replaces the configured call only when predicted faster by more than
+# this fraction (the auto suite's predictions spread about 10-20% from the measured times).
+KEEP_MARGIN = 0.10
 _COUNTS: dict = collections.defaultdict(collections.Counter)  # kind -> Counter(choice label)
 _DECISIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {description: choice}
 _LOCK = threading.Lock()
@@ -173,18 +179,30 @@ def label(kind: str, policy, model) -> str:
     return name if name in (UNCOMPRESSED, "quantized") or stages == 1 else f"{name}, {stages} stages"
 
 
+def choose(times: list, configured: int) -> int:
+    """The index of the candidate to run: the fastest predicted (the first of equals), or
+    the configured one (index `configured`; None: none of them) while it is predicted at
+    most KEEP_MARGIN slower than the fastest."""
+    best = min(range(len(times)), key=lambda i: (times[i], i))
+    if configured is not None and times[configured] <= times[best] * (1 + KEEP_MARGIN):
+        return configured
+    return best
+
+
 def _decide(kind: str, g, device, numel: int, dtype, configured, candidates: list):
-    """The fastest candidate by the group's cost model (the first of equals: uncompressed).
-    The first time a description is met the ranks compare it, before any other exchange;
-    the choice is then a function of agreed inputs only. Counted per choice."""
+    """The candidate to run by the group's cost model (choose: the fastest, unless the
+    configured call is within KEEP_MARGIN of it). The first time a description is met the
+    ranks compare it, before any other exchange; the choice is then a function of agreed
+    inputs only. Counted per choice."""
     description = (kind, numel, str(dtype), device.type, repr(configured))
     decisions = _DECISIONS.setdefault(g, {})
     if description not in decisions:
         _agree(g, description, device)
         model = cost_model(g, device=device)
         times = [model.predict(_MODEL_KIND[kind], numel, dtype, c).seconds for c in candidates]
-        best = min(range(len(candidates)), key=lambda i: (times[i], i))
         options = [(label(kind, c, model), t) for c, t in zip(candidates, times)]
+        mine = label(kind, configured, model)  # the configured call's own path and stages
+        best = choose(times, next((i for i, (name, _) in enumerate(options) if name == mine), None))
         decisions[description] = (candidates[best], options[best][0], options)
         _log(kind, g, numel, dtype, configured, options, best)
     chosen, name, _ = decisions[description]

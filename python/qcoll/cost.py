@@ -17,9 +17,10 @@ a prediction is of a repeated call (the first call of a signature on CPU also ex
 Calibration: the rates above miss what a whole call adds on a real machine (the
 transport's own algorithms, processes sharing cores, copies). So the probe also times the
 calls themselves, each collective uncompressed and quantized with its default formats on each
-path (flat, 2-hop), at two or more sizes (bf16), and keeps per (collective, kind) the line
-fitted through the points (model's estimate -> measured time): a prediction is offset + scale x the model's
-estimate for that collective and kind. Models given without calibration use the rates alone.
+path (flat, 2-hop), at two or more sizes (bf16), and keeps per (collective, kind) the
+measured points (model's estimate -> measured time): a prediction runs through them
+(Calibration), and the line fitted to them stands for a model loaded without its points.
+Models given without calibration use the rates alone.
 
 The probe is bounded: each measure grows its size by 4x from a small start and stops once a
 call takes `target_s` or the size cap is reached, and the whole probe stops growing sizes
@@ -31,6 +32,7 @@ holds another raises on every rank.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import json
@@ -60,9 +62,11 @@ _TARGET_S = 0.05
 BUDGET_S = 10.0
 _REPEATS = 3
 # Calibration: whole calls at total bytes from _CALIBRATION_START, 4x up to _CALIBRATION_MAX,
-# until the slower kind's call takes _CALIBRATION_TARGET_S (at least two sizes: a line needs
-# two points; far apart, so that it extrapolates to large calls).
-_CALIBRATION_START, _CALIBRATION_MAX = 1 << 20, 64 << 20
+# until the slower kind's call takes _CALIBRATION_TARGET_S (at least two sizes: a segment
+# needs two points). 2, 8, 32 MB: between the auto suite's 1, 4, 16, 64 MB, so that the
+# suite checks predictions away from the measured points. (From 512 KB the extra point took
+# the time the large sizes needed: auto-cpu-calibration-v6.json.)
+_CALIBRATION_START, _CALIBRATION_MAX = 2 << 20, 64 << 20
 _CALIBRATION_TARGET_S = 0.1
 _CALIBRATION_REPEATS = 7  # timed calls per size (their median): small calls are bimodal
 _CALIBRATION_DTYPE = torch.bfloat16
@@ -124,18 +128,40 @@ class Prediction:
         return self.intra_s + self.inter_s + self.kernel_s
 
 
+def _finite_positive(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and 0 < v < float("inf")
+
+
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """A measured call's time as offset + scale x the rates' estimate of it."""
+    """A measured call's time from the rates' estimate of it.
+
+    points: the probe's measured calls, (estimate, measured seconds) by rising estimate.
+    With two or more, a prediction runs through them: linear between neighbours; above the
+    last along the last segment (its slope, or `scale` where that falls); below the first
+    along the fitted line's shape, scaled through the first point. A call's time is not one
+    line over sizes on a real machine (caches, the transport's algorithms switching), and
+    one line fitted to every point missed the largest calls by up to 45% (auto suite).
+    Without points: offset + scale x estimate, the line fitted to the points."""
 
     offset: float
     scale: float
+    points: tuple = ()
 
     def __post_init__(self):
         if isinstance(self.offset, bool) or not isinstance(self.offset, (int, float)) or not 0 <= self.offset < float("inf"):
             raise ValueError(f"Calibration.offset must be a finite number >= 0, got {self.offset!r}")
-        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < float("inf"):
+        if not _finite_positive(self.scale):
             raise ValueError(f"Calibration.scale must be a finite number > 0, got {self.scale!r}")
+        try:
+            points = tuple((p[0], p[1]) for p in self.points)  # a file's lists, as tuples
+        except (TypeError, IndexError, KeyError):
+            points = None
+        if points is None or not all(_finite_positive(e) and _finite_positive(m) for e, m in points) or any(
+                a[0] >= b[0] for a, b in zip(points, points[1:])):
+            raise ValueError("Calibration.points must be (estimate, measured) pairs of finite numbers > 0 "
+                             f"by strictly rising estimate, got {self.points!r}")
+        object.__setattr__(self, "points", points)
 
     @classmethod
     def fit(cls, estimates: list, measured: list) -> "Calibration":
@@ -143,6 +169,10 @@ class Calibration:
         terms (least squares of (line - measured) / measured: every size counts alike, as
         the prediction's error does); where that needs a negative offset or slope (noise),
         the best line through the origin."""
+        merged = {}  # equal estimates (one size measured twice): their mean
+        for e, m in zip(estimates, measured):
+            merged.setdefault(e, []).append(m)
+        points = tuple((e, sum(ms) / len(ms)) for e, ms in sorted(merged.items()))
         rows = [(1.0 / m, e / m) for e, m in zip(estimates, measured)]  # (offset, scale) weights
         saa = sum(a * a for a, _ in rows)
         sab = sum(a * b for a, b in rows)
@@ -152,11 +182,26 @@ class Calibration:
         if det > 1e-12 * saa * sbb:
             offset, scale = (sa * sbb - sb * sab) / det, (saa * sb - sab * sa) / det
             if offset >= 0 and scale > 0:
-                return cls(offset, scale)
-        return cls(0.0, sb / sbb)
+                return cls(offset, scale, points)
+        return cls(0.0, sb / sbb, points)
+
+    def line(self, estimate: float) -> float:
+        return self.offset + self.scale * estimate
 
     def apply(self, estimate: float) -> float:
-        return self.offset + self.scale * estimate
+        pts = self.points
+        if len(pts) < 2:
+            return self.line(estimate)
+        e0, m0 = pts[0]
+        if estimate <= e0:
+            return m0 * self.line(estimate) / self.line(e0)
+        k = bisect.bisect_left([e for e, _ in pts], estimate) - 1  # pts[k][0] < estimate
+        k = min(k, len(pts) - 2)
+        (ea, ma), (eb, mb) = pts[k], pts[k + 1]
+        slope = (mb - ma) / (eb - ea)
+        if estimate <= eb:
+            return ma + slope * (estimate - ea)
+        return mb + (slope if slope > 0 else self.scale) * (estimate - eb)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -207,6 +207,22 @@ def test_zero_engine_with_auto_trains_as_the_chosen_configuration(fast):
         assert all(name.startswith("quantized") for name in counts["reduce_scatter"])
 
 
+def test_the_configured_call_is_kept_unless_another_is_clearly_faster():
+    from qcoll.auto import KEEP_MARGIN, choose
+
+    assert KEEP_MARGIN == pytest.approx(0.10)
+    # [uncompressed, configured]: kept while at most 10% slower, replaced beyond.
+    assert choose([1.0, 1.05], configured=1) == 1
+    assert choose([1.0, 1.10], configured=1) == 1
+    assert choose([1.0, 1.11], configured=1) == 0
+    assert choose([1.2, 1.0], configured=1) == 1
+    # Several paths: the fastest of the others only when it beats the configured one by
+    # more than the margin; among equals, the first.
+    assert choose([2.0, 1.0, 0.95, 0.8], configured=1) == 3
+    assert choose([2.0, 1.0, 0.95, 0.95], configured=1) == 1
+    assert choose([1.0, 1.0, 2.0], configured=None) == 0
+
+
 def _reduce_scatter_paths(rank, world, models):
     out = {}
     for name, model in models.items():

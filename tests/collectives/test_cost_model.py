@@ -4,6 +4,7 @@ time, identical on every rank, cached; a rank holding another model raises on ev
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -94,6 +95,66 @@ def test_calibration_line_and_fallback():
         c = Calibration.fit([0.001, 0.004], measured)
         b = [0.001 / measured[0], 0.004 / measured[1]]
         assert (c.offset, c.scale) == (0.0, pytest.approx(sum(b) / sum(x * x for x in b)))
+
+
+def test_calibration_runs_through_its_points():
+    # The probe's points (estimate -> measured): a bend at 4 ms that no single line fits.
+    est, meas = [0.001, 0.004, 0.016], [0.006, 0.012, 0.060]
+    c = Calibration.fit(est, meas)
+    assert c.points == tuple(zip(est, meas))
+    for e, m in zip(est, meas):  # through every point
+        assert c.apply(e) == pytest.approx(m)
+    assert c.apply(0.0025) == pytest.approx(0.009)  # linear between neighbours
+    assert c.apply(0.010) == pytest.approx(0.036)
+    assert c.apply(0.032) == pytest.approx(0.060 + 4.0 * 0.016)  # above: the last segment's slope
+    # Below the first point: the fitted line's shape, scaled through the first point.
+    assert c.apply(0.0005) == pytest.approx(0.006 * c.line(0.0005) / c.line(0.001))
+    # A falling last segment (noise): above it, the fitted line's scale.
+    c = Calibration.fit([0.001, 0.002], [0.010, 0.008])
+    assert c.apply(0.004) == pytest.approx(0.008 + c.scale * 0.002)
+    # One size measured twice: one point, their mean. A single point: the line.
+    c = Calibration.fit([0.001, 0.001], [0.004, 0.006])
+    assert c.points == ((0.001, 0.005),) and c.apply(0.002) == pytest.approx(c.line(0.002))
+    # Kept through a file (JSON lists come back as tuples).
+    c = Calibration.fit(est, meas)
+    m = synthetic()
+    model = CostModel(m.world, m.node_size, m.device, m.intra, m.inter, m.kernels,
+                      calibration={"allgather/uncompressed": c})
+    again = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert again.calibration["allgather/uncompressed"] == c and again.fingerprint() == model.fingerprint()
+    for bad in ([(0.002, 0.01), (0.001, 0.02)], [(0.001, 0.0)], [(0.001,)], [(0.001, float("nan"))]):
+        with pytest.raises(ValueError, match="Calibration.points"):
+            Calibration(0.0, 1.0, bad)
+
+
+def test_calibration_measures_a_jump_again_and_keeps_the_faster(monkeypatch):
+    # Scripted medians: time = 1 ns per byte, except the first 8 MB measurement of the
+    # all-gather, 10x (a burst of other load): measured again, the second kept. A real jump
+    # (the all-reduce's 8 MB at 2x per byte) is measured again too, and stays.
+    from qcoll import _cost_probe
+
+    seen = []
+
+    def medians(collective, group, model, policies, nbytes, device):
+        seen.append((collective, nbytes))
+        t = nbytes * 1e-9
+        if collective == "allgather" and nbytes == 8 << 20 and seen.count(("allgather", 8 << 20)) == 1:
+            t *= 10
+        if collective == "all_reduce" and nbytes >= 8 << 20:
+            t *= 2
+        return [nbytes * 1e-10] * len(policies), [t] * len(policies)
+
+    monkeypatch.setattr(_cost_probe, "_calibration_medians", medians)
+    monkeypatch.setattr(_cost_probe, "agreed_max", lambda group, values, device: values)
+    cal = _cost_probe._calibration(None, synthetic(), torch.device("cpu"), time.monotonic() + 60)
+    mb = 1 << 20
+    sizes = [2 * mb, 8 * mb, 32 * mb]  # 4x from 2 MB, the next (128 MB) past the cap
+    assert seen == ([("allgather", b) for b in sizes[:2]] + [("allgather", b) for b in sizes[1:]]
+                    + [("reduce_scatter", b) for b in sizes]
+                    + [("all_reduce", b) for b in sizes[:2]] + [("all_reduce", b) for b in sizes[1:]])
+    assert [m for _, m in cal["allgather/uncompressed"].points] == pytest.approx([b * 1e-9 for b in sizes])
+    assert [m for _, m in cal["all_reduce/uncompressed"].points] == pytest.approx(
+        [b * 1e-9 * (2 if b >= 8 * mb else 1) for b in sizes])
 
 
 def test_calibration_applies_per_collective_and_kind():
