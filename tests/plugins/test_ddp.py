@@ -2,7 +2,8 @@
 on gloo ranks emulating 2 nodes x 2, on a model of nn.TransformerEncoderLayer blocks
 (test_fsdp.EncoderLM: tied head, widths that do not divide the world).
 
-- bits=None through the hook matches DDP's default all-reduce step by step (rel 1e-5).
+- bits=None through the hook matches DDP's default all-reduce step by step (rel 1e-5); on
+  bf16 gradients it rounds each bucket's fp32 sum once (bit for bit).
 - int8 in the node / int4 across (the defaults, with error feedback) trains to within 1%
   of DDP-default's final loss, with the replicas bit-identical, and sends <= 0.3x the
   cross-node bytes per step (both counted under qcoll's rule; numbers printed).
@@ -71,6 +72,53 @@ def test_unquantized_hook_matches_ddp_default_step_by_step():
         for name, p in ref["params"].items():
             torch.testing.assert_close(ours["params"][name], p, rtol=1e-5, atol=1e-7, msg=name)
         assert ours["ef_bytes"] == 0  # nothing is lost unquantized: no residual kept
+
+
+def _bf16_round_once_worker(rank, world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import qcoll
+    import qcoll.ddp
+    import qcoll.policy
+
+    # Every bucket through the raw exchange (from 1 MB in use; these buckets are smaller).
+    qcoll.policy.UNQUANTIZED_EXCHANGE_MIN_BYTES = 0
+    torch.manual_seed(0)
+    model = DDP(EncoderLM(20, 2, 36).to(torch.bfloat16), bucket_cap_mb=0.01)
+    state = qcoll.ddp.QuantizedHookState(qcoll.new_group(node_size=NODE_SIZE), bits=None, inter_bits=None)
+    results = []
+
+    def checked_hook(st, bucket):
+        # The reference, independent of qcoll: every rank's bf16 gradients, summed in fp32
+        # and rounded once (world = 4: dividing by it is exact).
+        mine = bucket.buffer().clone()
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        want = (torch.stack(every).float().sum(0) / world).to(torch.bfloat16)
+        assert qcoll.policy.unquantized_host_all_reduce(2, mine.numel()) == "exchange"
+
+        def compare(fut):
+            got = fut.value()
+            results.append((got.numel(), torch.equal(got.view(torch.int16), want.view(torch.int16))))
+            return got
+        return qcoll.ddp.quantized_allreduce_hook(st, bucket).then(compare)
+
+    model.register_comm_hook(state, checked_hook)
+    language = gpt.MarkovLanguage(VOCAB)
+    for step in range(3):
+        x, y = language.batch(step, 4 * world, SEQ)
+        model.zero_grad()
+        gpt.lm_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
+    return results
+
+
+def test_unquantized_bf16_hook_rounds_the_fp32_sum_once():
+    # bits=None on bf16 gradients: the raw exchange (inputs to their owner, fp32 sum,
+    # rounded once), not gloo's bf16 all-reduce, which rounds at every step.
+    for results in run_ranks(4, _bf16_round_once_worker, timeout=180):
+        assert len(results) >= 5 and sum(n for n, _ in results) > 0  # 1 bucket, then 2 a step
+        assert all(same for _, same in results), results
 
 
 def _convergence_worker(rank, world, steps):
