@@ -3,7 +3,7 @@
 A call made with policy="auto" (qcoll.quantized_allgather, quantized_reduce_scatter,
 quantized_all_reduce, delta_allgather; the FSDP2 comm objects, the DDP hook state and
 ZeroConfig through their policy=) is run with the candidate its qcoll.cost_model predicts
-fastest, from:
+fastest (unless that is the configured call by a small margin: below), from:
 - the uncompressed call (the input dtype on the wire; exact, or rounded once);
 - the quantized call the caller configured (its formats, group size, Hadamard), on each
   path the configuration leaves open: flat or 2-hop (reduce-scatter with hierarchical=None,
@@ -11,8 +11,8 @@ fastest, from:
 Auto never quantizes below what the caller asked for: every candidate's hops use the
 caller's formats or none; the flat path encodes once at the cross-node format, which the
 2-hop path applies to every element as well (after an intra-node encode of its own).
-The configured call (its own path and stages) is kept unless another candidate is
-predicted faster by more than KEEP_MARGIN: the model's predictions spread by about that
+The configured call (its own path and stages) is kept unless it is predicted more than
+KEEP_MARGIN slower than the fastest candidate: the model's predictions spread by about that
 much from run to run, so a smaller predicted gain is no evidence, and switching on it
 flips between near-equal calls and loses as often as it wins. The probe calibrates the
 model on whole calls of every kind weighed here (uncompressed, flat, 2-hop: qcoll.cost).
@@ -47,8 +47,9 @@ from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
 
 AUTO = "auto"
 UNCOMPRESSED = "uncompressed"
-# Another candidate replaces the configured call only when predicted faster by more than
-# this fraction (the auto suite's predictions spread about 10-20% from the measured times).
+# Another candidate replaces the configured call only when the configured one is predicted
+# more than this fraction slower than it (the auto suite's predictions spread about 10-20%
+# from the measured times).
 KEEP_MARGIN = 0.10
 _COUNTS: dict = collections.defaultdict(collections.Counter)  # kind -> Counter(choice label)
 _DECISIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {description: choice}
@@ -202,7 +203,11 @@ def _decide(kind: str, g, device, numel: int, dtype, configured, candidates: lis
         times = [model.predict(_MODEL_KIND[kind], numel, dtype, c).seconds for c in candidates]
         options = [(label(kind, c, model), t) for c, t in zip(candidates, times)]
         mine = label(kind, configured, model)  # the configured call's own path and stages
-        best = choose(times, next((i for i, (name, _) in enumerate(options) if name == mine), None))
+        index = next((i for i, (name, _) in enumerate(options) if name == mine), None)
+        if index is None:  # the candidates always hold it: a change broke that
+            raise AssertionError(f"qcoll auto: the configured call {mine!r} is not among the candidates "
+                                 f"{[name for name, _ in options]}")
+        best = choose(times, index)
         decisions[description] = (candidates[best], options[best][0], options)
         _log(kind, g, numel, dtype, configured, options, best)
     chosen, name, _ = decisions[description]

@@ -66,7 +66,7 @@ _REPEATS = 3
 # needs two points). 2, 8, 32 MB: between the auto suite's 1, 4, 16, 64 MB, so that the
 # suite checks predictions away from the measured points. (From 512 KB the extra point took
 # the time the large sizes needed: auto-cpu-calibration-v6.json.)
-_CALIBRATION_START, _CALIBRATION_MAX = 2 << 20, 64 << 20
+_CALIBRATION_START, _CALIBRATION_MAX = 2 << 20, 32 << 20
 _CALIBRATION_TARGET_S = 0.1
 _CALIBRATION_REPEATS = 7  # timed calls per size (their median): small calls are bimodal
 _CALIBRATION_DTYPE = torch.bfloat16
@@ -138,7 +138,7 @@ class Calibration:
 
     points: the probe's measured calls, (estimate, measured seconds) by rising estimate.
     With two or more, a prediction runs through them: linear between neighbours; above the
-    last along the last segment (its slope, or `scale` where that falls); below the first
+    last along the last segment (its slope, kept within [scale / 2, 2 x scale]); below the first
     along the fitted line's shape, scaled through the first point. A call's time is not one
     line over sizes on a real machine (caches, the transport's algorithms switching), and
     one line fitted to every point missed the largest calls by up to 45% (auto suite).
@@ -154,8 +154,10 @@ class Calibration:
         if not _finite_positive(self.scale):
             raise ValueError(f"Calibration.scale must be a finite number > 0, got {self.scale!r}")
         try:
-            points = tuple((p[0], p[1]) for p in self.points)  # a file's lists, as tuples
-        except (TypeError, IndexError, KeyError):
+            points = tuple(tuple(p) for p in self.points)  # a file's lists, as tuples
+        except TypeError:
+            points = None
+        if points is not None and any(len(p) != 2 for p in points):
             points = None
         if points is None or not all(_finite_positive(e) and _finite_positive(m) for e, m in points) or any(
                 a[0] >= b[0] for a, b in zip(points, points[1:])):
@@ -168,7 +170,8 @@ class Calibration:
         """The line measured = offset + scale x estimate closest to the points in relative
         terms (least squares of (line - measured) / measured: every size counts alike, as
         the prediction's error does); where that needs a negative offset or slope (noise),
-        the best line through the origin."""
+        the best line through the origin. With the points themselves, by rising estimate
+        (one size measured twice: their mean), which predictions run through."""
         merged = {}  # equal estimates (one size measured twice): their mean
         for e, m in zip(estimates, measured):
             merged.setdefault(e, []).append(m)
@@ -201,7 +204,9 @@ class Calibration:
         slope = (mb - ma) / (eb - ea)
         if estimate <= eb:
             return ma + slope * (estimate - ea)
-        return mb + (slope if slope > 0 else self.scale) * (estimate - eb)
+        # Above the points: the last segment's slope, kept within 2x of the fitted line's (a
+        # last point a little disturbed would otherwise tilt every larger call's prediction).
+        return mb + min(max(slope, self.scale / 2), 2 * self.scale) * (estimate - eb)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """policy="auto" (qcoll.auto): on 4 gloo ranks as 2 nodes x 2, with cost models given to
 the groups (a slow cross-node link, a fast one), every collective runs the choice the model
-predicts faster, bit-identical to that fixed call, the same on every rank, counted in
+predicts faster (the configured call kept within KEEP_MARGIN), bit-identical to that fixed call, the same on every rank, counted in
 qcoll.stats()["auto"] and logged once per decision with QCOLL_LOG=policy; a rank with
 another configuration raises on every rank; argument checks come before communication."""
 
@@ -221,6 +221,34 @@ def test_the_configured_call_is_kept_unless_another_is_clearly_faster():
     assert choose([2.0, 1.0, 0.95, 0.8], configured=1) == 3
     assert choose([2.0, 1.0, 0.95, 0.95], configured=1) == 1
     assert choose([1.0, 1.0, 2.0], configured=None) == 0
+
+
+def _allgather_choices(rank, world, models):
+    out = {}
+    for name, model in models.items():
+        g = qcoll.new_group(node_size=NODE_SIZE)
+        qcoll.cost_model(g, model=model)
+        x = torch.randn(1000)
+        qcoll.quantized_allgather(torch.empty(world * 1000), x, g, bits=8, policy="auto")
+        out[name] = [d["choice"] for d in qcoll.auto.decisions(g).values()]
+        g.close()
+    return out
+
+
+def test_auto_keeps_the_configured_call_within_the_margin():
+    # Calibrations that make every all-gather take about 1 s uncompressed and 1.05 s or
+    # 1.2 s quantized: 5% slower keeps the configured int8 call, 20% slower does not.
+    import dataclasses
+
+    from qcoll.cost import Calibration
+
+    base = synthetic(inter_gbit=0.1)
+
+    def model(quantized_s):
+        return dataclasses.replace(base, calibration={"allgather/uncompressed": Calibration(1.0, 1e-9),
+                                                      "allgather/quantized": Calibration(quantized_s, 1e-9)})
+    results = run_ranks(4, _allgather_choices, {"close": model(1.05), "far": model(1.2)}, timeout=120)
+    assert all(r == {"close": ["quantized"], "far": ["uncompressed"]} for r in results), results
 
 
 def _reduce_scatter_paths(rank, world, models):

@@ -88,7 +88,7 @@ def test_calibration_line_and_fallback():
     # than the two ends hold it.
     c = Calibration.fit([0.001, 0.002, 0.004], [0.005, 0.010, 0.014])
     for e, m in zip([0.001, 0.004], [0.005, 0.014]):
-        assert abs(c.apply(e) / m - 1) < 0.1
+        assert abs(c.line(e) / m - 1) < 0.1
     # A falling line (noise) or one below the origin: the best line through the origin,
     # scale = sum(e/m) / sum((e/m)^2).
     for measured in ([0.010, 0.008], [0.001, 0.012]):
@@ -106,12 +106,17 @@ def test_calibration_runs_through_its_points():
         assert c.apply(e) == pytest.approx(m)
     assert c.apply(0.0025) == pytest.approx(0.009)  # linear between neighbours
     assert c.apply(0.010) == pytest.approx(0.036)
-    assert c.apply(0.032) == pytest.approx(0.060 + 4.0 * 0.016)  # above: the last segment's slope
+    # Above: the last segment's slope (4.0), kept within [scale / 2, 2 x scale].
+    slope = min(max(4.0, c.scale / 2), 2 * c.scale)
+    assert c.apply(0.032) == pytest.approx(0.060 + slope * 0.016)
+    flat = Calibration.fit([0.002, 0.008, 0.032], [0.002, 0.030, 0.0305])  # a slow middle point
+    assert (0.0305 - 0.030) / 0.024 < flat.scale / 2  # the last segment: nearly flat
+    assert flat.apply(0.128) == pytest.approx(0.0305 + flat.scale / 2 * 0.096)
     # Below the first point: the fitted line's shape, scaled through the first point.
     assert c.apply(0.0005) == pytest.approx(0.006 * c.line(0.0005) / c.line(0.001))
     # A falling last segment (noise): above it, the fitted line's scale.
     c = Calibration.fit([0.001, 0.002], [0.010, 0.008])
-    assert c.apply(0.004) == pytest.approx(0.008 + c.scale * 0.002)
+    assert c.apply(0.004) == pytest.approx(0.008 + c.scale / 2 * 0.002)
     # One size measured twice: one point, their mean. A single point: the line.
     c = Calibration.fit([0.001, 0.001], [0.004, 0.006])
     assert c.points == ((0.001, 0.005),) and c.apply(0.002) == pytest.approx(c.line(0.002))
@@ -122,15 +127,17 @@ def test_calibration_runs_through_its_points():
                       calibration={"allgather/uncompressed": c})
     again = CostModel.from_dict(json.loads(json.dumps(model.to_dict())))
     assert again.calibration["allgather/uncompressed"] == c and again.fingerprint() == model.fingerprint()
-    for bad in ([(0.002, 0.01), (0.001, 0.02)], [(0.001, 0.0)], [(0.001,)], [(0.001, float("nan"))]):
+    for bad in ([(0.002, 0.01), (0.001, 0.02)], [(0.001, 0.0)], [(0.001,)], [(0.001, float("nan"))],
+                [(0.001, 0.002, 0.003)], [0.001]):
         with pytest.raises(ValueError, match="Calibration.points"):
             Calibration(0.0, 1.0, bad)
 
 
 def test_calibration_measures_a_jump_again_and_keeps_the_faster(monkeypatch):
     # Scripted medians: time = 1 ns per byte, except the first 8 MB measurement of the
-    # all-gather, 10x (a burst of other load): measured again, the second kept. A real jump
-    # (the all-reduce's 8 MB at 2x per byte) is measured again too, and stays.
+    # all-gather, 10x (a burst of other load): measured again, the faster (second) kept; the
+    # reduce-scatter's 8 MB at 7x, then 9x: the faster (first) kept. A real jump (the
+    # all-reduce's 8 MB at 2x per byte) is measured again too, and stays.
     from qcoll import _cost_probe
 
     seen = []
@@ -140,6 +147,8 @@ def test_calibration_measures_a_jump_again_and_keeps_the_faster(monkeypatch):
         t = nbytes * 1e-9
         if collective == "allgather" and nbytes == 8 << 20 and seen.count(("allgather", 8 << 20)) == 1:
             t *= 10
+        if collective == "reduce_scatter" and nbytes == 8 << 20:
+            t *= 7 if seen.count(("reduce_scatter", 8 << 20)) == 1 else 9
         if collective == "all_reduce" and nbytes >= 8 << 20:
             t *= 2
         return [nbytes * 1e-10] * len(policies), [t] * len(policies)
@@ -150,9 +159,11 @@ def test_calibration_measures_a_jump_again_and_keeps_the_faster(monkeypatch):
     mb = 1 << 20
     sizes = [2 * mb, 8 * mb, 32 * mb]  # 4x from 2 MB, the next (128 MB) past the cap
     assert seen == ([("allgather", b) for b in sizes[:2]] + [("allgather", b) for b in sizes[1:]]
-                    + [("reduce_scatter", b) for b in sizes]
+                    + [("reduce_scatter", b) for b in sizes[:2]] + [("reduce_scatter", b) for b in sizes[1:]]
                     + [("all_reduce", b) for b in sizes[:2]] + [("all_reduce", b) for b in sizes[1:]])
     assert [m for _, m in cal["allgather/uncompressed"].points] == pytest.approx([b * 1e-9 for b in sizes])
+    assert [m for _, m in cal["reduce_scatter/uncompressed"].points] == pytest.approx(
+        [b * 1e-9 * (7 if b == 8 * mb else 1) for b in sizes])
     assert [m for _, m in cal["all_reduce/uncompressed"].points] == pytest.approx(
         [b * 1e-9 * (2 if b >= 8 * mb else 1) for b in sizes])
 

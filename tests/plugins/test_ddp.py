@@ -82,8 +82,15 @@ def _bf16_round_once_worker(rank, world):
     import qcoll.ddp
     import qcoll.policy
 
-    # Every bucket through the raw exchange (from 1 MB in use; these buckets are smaller).
+    import qcoll.all_reduce
+
+    # Every bucket through the raw exchange (from 1 MB in use; these buckets are smaller),
+    # never the transport's all-reduce of fp32 copies, which would round once too.
     qcoll.policy.UNQUANTIZED_EXCHANGE_MIN_BYTES = 0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the bucket took the transport's all-reduce, not the raw exchange")
+    qcoll.all_reduce._transport_all_reduce = refuse
     torch.manual_seed(0)
     model = DDP(EncoderLM(20, 2, 36).to(torch.bfloat16), bucket_cap_mb=0.01)
     state = qcoll.ddp.QuantizedHookState(qcoll.new_group(node_size=NODE_SIZE), bits=None, inter_bits=None)
