@@ -153,17 +153,14 @@ class Calibration:
             raise ValueError(f"Calibration.offset must be a finite number >= 0, got {self.offset!r}")
         if not _finite_positive(self.scale):
             raise ValueError(f"Calibration.scale must be a finite number > 0, got {self.scale!r}")
-        try:
-            points = tuple(tuple(p) for p in self.points)  # a file's lists, as tuples
-        except TypeError:
-            points = None
-        if points is not None and any(len(p) != 2 for p in points):
-            points = None
-        if points is None or not all(_finite_positive(e) and _finite_positive(m) for e, m in points) or any(
-                a[0] >= b[0] for a, b in zip(points, points[1:])):
+        points = self.points
+        pairs = isinstance(points, (tuple, list)) and all(
+            isinstance(p, (tuple, list)) and len(p) == 2 and _finite_positive(p[0]) and _finite_positive(p[1])
+            for p in points)
+        if not pairs or any(a[0] >= b[0] for a, b in zip(points, points[1:])):
             raise ValueError("Calibration.points must be (estimate, measured) pairs of finite numbers > 0 "
-                             f"by strictly rising estimate, got {self.points!r}")
-        object.__setattr__(self, "points", points)
+                             f"by strictly rising estimate, got {points!r}")
+        object.__setattr__(self, "points", tuple(tuple(p) for p in points))  # a file's lists, as tuples
 
     @classmethod
     def fit(cls, estimates: list, measured: list) -> "Calibration":

@@ -1,8 +1,9 @@
 """policy="auto" (qcoll.auto): on 4 gloo ranks as 2 nodes x 2, with cost models given to
 the groups (a slow cross-node link, a fast one), every collective runs the choice the model
-predicts faster (the configured call kept within KEEP_MARGIN), bit-identical to that fixed call, the same on every rank, counted in
-qcoll.stats()["auto"] and logged once per decision with QCOLL_LOG=policy; a rank with
-another configuration raises on every rank; argument checks come before communication."""
+predicts faster (the configured call kept within KEEP_MARGIN), bit-identical to that fixed
+call, the same on every rank, counted in qcoll.stats()["auto"] and logged once per decision
+with QCOLL_LOG=policy; a rank with another configuration raises on every rank; argument
+checks come before communication."""
 
 from __future__ import annotations
 
