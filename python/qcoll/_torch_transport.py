@@ -48,8 +48,8 @@ class ProcessGroupTransport:
         return CommunicationError(f"{what} over {self.label}: {type(exc).__name__}: {exc}")
 
     def all_to_all(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
-        send = buffers.bytes(send_id, send_off, self.size * nbytes)
-        recv = buffers.bytes(recv_id, recv_off, self.size * nbytes)
+        send, recv = buffers.pair(send_id, send_off, self.size * nbytes, recv_id, recv_off,
+                                  self.size * nbytes)
         try:
             if self._direct:
                 self.pg.all_to_all_single(recv, send, [], [], self._options(c10d.AllToAllOptions)).wait()
@@ -59,8 +59,7 @@ class ProcessGroupTransport:
             raise self._failed("all-to-all", exc) from exc
 
     def all_gather(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
-        send = buffers.bytes(send_id, send_off, nbytes)
-        recv = buffers.bytes(recv_id, recv_off, self.size * nbytes)
+        send, recv = buffers.pair(send_id, send_off, nbytes, recv_id, recv_off, self.size * nbytes)
         try:
             if self._direct:
                 self.pg.all_gather_single(recv, send, self._options(c10d.AllgatherOptions)).wait()

@@ -65,6 +65,43 @@ def test_call_buffers_are_indexed_by_the_cores_buffer_ids():
     assert b[2].item() == 1.5  # a view of the output itself, not a copy
 
 
+def test_byte_exchanges_travel_as_the_widest_aligned_word():
+    """pair(): int64 words where both ranges are whole, 8-byte aligned words, else int32,
+    else bytes; views over the call's own memory (whole 1-D buffers without a slice).
+    Gloo's copies of many 1-byte elements ran 3-5x slower
+    (bench/results/probe-gloo-byte-dtype-cpu.txt)."""
+    from qcoll._runtime.buffers import CallBuffers
+
+    IN, OUT, WS = (_C.BUFFERS[k] for k in ("input", "output", "workspace"))
+    x = torch.arange(8, dtype=torch.bfloat16)
+    out = torch.zeros(32, dtype=torch.bfloat16)
+    w = torch.zeros(256, dtype=torch.uint8)
+    b = CallBuffers(x, out, w)
+    send, recv = b.pair(IN, 0, 16, OUT, 0, 64)
+    assert (send.dtype, recv.dtype, send.numel(), recv.numel()) == (torch.int64, torch.int64, 2, 8)
+    assert send.data_ptr() == x.data_ptr() and recv.data_ptr() == out.data_ptr()
+    # A range of the output at a 4-byte (not 8-byte) offset: int32, over the same memory.
+    send, recv = b.pair(IN, 0, 16, OUT, 4, 16)
+    assert send.dtype == recv.dtype == torch.int32 and recv.numel() == 4
+    recv.copy_(send)
+    assert torch.equal(out[2:10], x)
+    grid = CallBuffers(torch.ones(2, 4), torch.zeros(4, 4), w)  # 2-D buffers: flat views
+    send, recv = grid.pair(IN, 0, 32, OUT, 0, 64)
+    assert send.dtype == torch.int64 and send.dim() == recv.dim() == 1
+    # Workspace slots: words at aligned offsets; an odd offset or length: bytes.
+    send, recv = b.pair(WS, 16, 32, WS, 64, 128)
+    assert (send.dtype, recv.dtype) == (torch.int64, torch.int64)
+    assert send.data_ptr() == w.data_ptr() + 16 and recv.numel() == 16
+    for args in ((WS, 1, 32, WS, 64, 128), (WS, 0, 30, WS, 64, 120)):
+        send, recv = b.pair(*args)
+        assert send.dtype == recv.dtype == torch.uint8
+    # bf16 buffers of an odd length (6 bytes): bytes of the same memory.
+    odd_in, odd_out = torch.ones(3, dtype=torch.bfloat16), torch.zeros(6, dtype=torch.bfloat16)
+    send, recv = CallBuffers(odd_in, odd_out, w).pair(IN, 0, 6, OUT, 0, 12)
+    assert (send.dtype, send.numel(), recv.numel()) == (torch.uint8, 6, 12)
+    assert send.data_ptr() == odd_in.data_ptr()
+
+
 def _transport_worker(rank, world):
     """Every exchange the torch transport makes gets the core call's own CallBuffers, and
     addresses the call's tensors by the core's ids."""

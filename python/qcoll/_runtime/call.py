@@ -115,7 +115,8 @@ def _cpu_workspace(group, nbytes: int) -> torch.Tensor:
     reduce-scatter (bench/results/cluster-cpu.json). It is taken when the call runs on the
     family's worker, which runs one call at a time, so two calls in flight never share it.
     (CUDA calls use their family's cached workspace: streams.py.)"""
-    if group._cpu_workspace is None or group._cpu_workspace.numel() < nbytes:
-        group._cpu_workspace = torch.empty(nbytes, dtype=torch.uint8)
-    return group._cpu_workspace[:nbytes]
+    workspace = group._cpu_workspace
+    if workspace is None or workspace.numel() < nbytes:
+        workspace = group._cpu_workspace = torch.empty(nbytes, dtype=torch.uint8)
+    return workspace if workspace.numel() == nbytes else workspace[:nbytes]
 
