@@ -13,7 +13,7 @@ from ._formats import RAW_CODE
 from ._runtime import args, call
 from ._runtime.steps import AllGather
 from .group import resolve_group
-from .policy import ALL_GATHER, AllGatherPolicy
+from .policy import ALL_GATHER, AllGatherPolicy, cached
 
 _WHAT = "quantized_allgather"
 
@@ -32,7 +32,7 @@ def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *
                                group_size=group_size, async_op=async_op)
     size = args.ranks_in(group)
     n = input.numel() if isinstance(input, torch.Tensor) else 0
-    policy = AllGatherPolicy(bits=bits, group_size=group_size)
+    policy = cached(AllGatherPolicy, bits, group_size)
     code = args.check_pair(output, input, size * n, n, _WHAT, raw_bytes_ok=policy.code == RAW_CODE)
     return all_gather_call(_WHAT, output, input, resolve_group(group), policy, code, async_op)
 
@@ -42,7 +42,8 @@ def all_gather_call(what: str, output: torch.Tensor, input: torch.Tensor, g, pol
     """The all-gather of checked arguments (also delta_allgather's bits=None)."""
     n = input.numel() * (input.element_size() if code == BYTES_CODE else 1)
     wire = policy.code
-    call.debug_check(g, (what, n, output.numel(), str(input.dtype), wire, policy.group_size), input.device)
+    if call.debugging():
+        call.debug_check(g, (what, n, output.numel(), str(input.dtype), wire, policy.group_size), input.device)
     step = AllGather(g, n, code, wire, policy.group_size, input.device)
 
     def launch(ctx, workspace):

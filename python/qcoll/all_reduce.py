@@ -26,7 +26,7 @@ from .error_feedback import (
     keep_shard_residual,
 )
 from .group import resolve_group
-from .policy import ALL_REDUCE, AllReducePolicy, unquantized_host_all_reduce
+from .policy import ALL_REDUCE, AllReducePolicy, cached, unquantized_host_all_reduce
 
 _WHAT = "quantized_all_reduce"
 # A bits=None bf16/fp16 all-reduce through the transport's all-reduce of fp32 copies goes
@@ -72,13 +72,14 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     size = args.ranks_in(group)
     code = args.check_in_place(tensor, _WHAT)
     op_code = args.check_op(op)
-    policy = AllReducePolicy(bits, inter_bits, group_size, pipeline_stages, hierarchical)
+    policy = cached(AllReducePolicy, bits, inter_bits, group_size, pipeline_stages, hierarchical)
     rs = policy.reduce_scatter()
     group_size, stages = policy.group_size, policy.pipeline_stages
     check_error_feedback(error_feedback)
     g = resolve_group(group)
-    call.debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, rs.intra_code, rs.inter_code,
-                         group_size, stages, hierarchical, error_feedback is not None), tensor.device)
+    if call.debugging():
+        call.debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, rs.intra_code, rs.inter_code,
+                             group_size, stages, hierarchical, error_feedback is not None), tensor.device)
 
     raw_exchange = policy.raw_exchange(tensor.element_size())
     if (rs.unquantized and error_feedback is None and not on_gpu(tensor.device)

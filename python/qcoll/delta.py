@@ -24,7 +24,7 @@ from ._runtime import args, call
 from ._runtime.steps import AllGather
 from .all_gather import all_gather_call
 from .group import resolve_group
-from .policy import DELTA_ALL_GATHER, AllGatherPolicy
+from .policy import DELTA_ALL_GATHER, AllGatherPolicy, cached
 
 _F32 = torch.float32
 _WHAT = "delta_allgather"
@@ -63,7 +63,7 @@ def delta_allgather(full: torch.Tensor, shard: torch.Tensor, group=None, *,
                                      group_size=group_size, async_op=async_op)
     size = args.ranks_in(group)
     n = shard.numel() if isinstance(shard, torch.Tensor) else 0
-    policy = AllGatherPolicy(bits=bits, group_size=group_size)
+    policy = cached(AllGatherPolicy, bits, group_size)
     code = args.check_pair(full, shard, size * n, n, _WHAT, names=("full", "shard"))
     if n and _overlaps(full, shard):
         raise ValueError("delta_allgather: shard must not share memory with full (full holds the "
@@ -71,8 +71,9 @@ def delta_allgather(full: torch.Tensor, shard: torch.Tensor, group=None, *,
     g = resolve_group(group)
     if policy.code == RAW_CODE:
         return all_gather_call(_WHAT, full, shard, g, policy, code, async_op)
-    call.debug_check(g, (_WHAT, n, full.numel(), str(full.dtype), str(shard.dtype), policy.code,
-                         policy.group_size), full.device)
+    if call.debugging():
+        call.debug_check(g, (_WHAT, n, full.numel(), str(full.dtype), str(shard.dtype), policy.code,
+                             policy.group_size), full.device)
     step = AllGather(g, n, DTYPE_CODES[_F32], policy.code, policy.group_size, full.device)
     # Workspace: [the all-gather's own | this rank's fp32 difference | every rank's, decoded].
     scratch_bytes = step.plan.workspace_bytes

@@ -30,6 +30,7 @@ Default decisions (entry points that documented different defaults before the po
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Union
 
 from ._formats import RAW_CODE, format_code
@@ -56,6 +57,21 @@ def _normalize(policy, name: str, value) -> None:
     object.__setattr__(policy, name, value)  # frozen: __post_init__ is the one writer
 
 
+@functools.lru_cache(maxsize=256, typed=True)  # typed: 8 and 8.0, 1 and True stay apart
+def _built(cls, *args):
+    return cls(*args)
+
+
+def cached(cls, *args) -> "_Policy":
+    """cls(*args), one frozen object per distinct arguments: the functional API builds its
+    call's policy on every call, and the checks in __post_init__ then run once per spelling.
+    An argument that cannot be a key (a list, say) goes to the constructor, which names it."""
+    try:
+        return _built(cls, *args)
+    except TypeError:
+        return cls(*args)
+
+
 class _Policy:
     def kwargs(self) -> dict:
         """The functional API's keyword arguments for this policy."""
@@ -74,7 +90,7 @@ class AllGatherPolicy(_Policy):
         format_code(self.bits, "bits")
         _normalize(self, "group_size", check_group_size(self.group_size))
 
-    @property
+    @functools.cached_property  # frozen: written once into the instance's __dict__
     def code(self) -> int:
         """The core's format code (RAW_CODE when unquantized)."""
         return format_code(self.bits, "bits")
@@ -123,11 +139,11 @@ class ReduceScatterPolicy(_Policy):
             return cls.transport()
         return cls(intra_bits, inter_bits, group_size, pipeline_stages, hadamard=hadamard)
 
-    @property
+    @functools.cached_property
     def intra_code(self) -> int:
         return format_code(self.intra_bits, "intra_bits")
 
-    @property
+    @functools.cached_property
     def inter_code(self) -> int:
         return format_code(self.inter_bits, "inter_bits")
 
@@ -160,7 +176,7 @@ class AllReducePolicy(_Policy):
         _normalize(self, "pipeline_stages", check_stages(self.pipeline_stages))
         check_hierarchical(self.hierarchical)
 
-    @property
+    @functools.cached_property
     def unquantized(self) -> bool:
         # reduce_scatter().unquantized, without building that policy on every call
         return format_code(self.bits, "bits") == RAW_CODE and format_code(self.cross_bits, "inter_bits") == RAW_CODE
@@ -179,9 +195,8 @@ class AllReducePolicy(_Policy):
     def reduce_scatter(self) -> ReduceScatterPolicy:
         """The policy of the reduce-scatter half (the all-gather half crosses nodes in the
         format its plan crosses them with)."""
-        return ReduceScatterPolicy(intra_bits=self.bits, inter_bits=self.cross_bits,
-                                   group_size=self.group_size, pipeline_stages=self.pipeline_stages,
-                                   hierarchical=self.hierarchical)
+        return cached(ReduceScatterPolicy, self.bits, self.cross_bits, self.group_size,
+                      self.pipeline_stages, self.hierarchical)
 
 
 # A bits=None bf16/fp16 all-reduce of host tensors over a transport with its own all-reduce

@@ -13,7 +13,7 @@ from ._runtime import args, call
 from ._runtime.steps import ReduceScatter, carve
 from .error_feedback import check_error_feedback, compensate_first_hop, inter_residual
 from .group import resolve_group
-from .policy import REDUCE_SCATTER, ReduceScatterPolicy
+from .policy import REDUCE_SCATTER, ReduceScatterPolicy, cached
 
 _WHAT = "quantized_reduce_scatter"
 
@@ -64,14 +64,15 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     code = args.check_pair(output, input, n, size * n, _WHAT)
     op_code = args.check_op(op)
     # pipeline_stages=None (one stage) stays this API's documented default: see qcoll.policy.
-    policy = ReduceScatterPolicy(intra_bits, inter_bits, group_size, pipeline_stages, hierarchical,
-                                 hadamard, hadamard_size)
+    policy = cached(ReduceScatterPolicy, intra_bits, inter_bits, group_size, pipeline_stages,
+                    hierarchical, hadamard, hadamard_size)
     group_size, hadamard_size = policy.group_size, policy.hadamard_block
     check_error_feedback(error_feedback)
     g = resolve_group(group)
-    call.debug_check(g, (_WHAT, n, input.numel(), str(input.dtype), op, policy.intra_code,
-                         policy.inter_code, group_size, policy.pipeline_stages, hierarchical,
-                         error_feedback is not None, hadamard_size), input.device)
+    if call.debugging():
+        call.debug_check(g, (_WHAT, n, input.numel(), str(input.dtype), op, policy.intra_code,
+                             policy.inter_code, group_size, policy.pipeline_stages, hierarchical,
+                             error_feedback is not None, hadamard_size), input.device)
     step = ReduceScatter(g, n, code, op_code, policy.intra_code, policy.inter_code, group_size,
                          policy.pipeline_stages, hierarchical, input.device, hadamard_size)
     plan = step.plan

@@ -71,6 +71,25 @@ def test_checks_name_the_field_and_what_is_allowed(cls, kwargs, exc, words):
         cls(**kwargs)
 
 
+def test_cached_policies_are_one_object_per_spelling_and_still_checked():
+    """The functional API's per-call policy (qcoll.policy.cached): the same arguments give
+    the same frozen object; 8 and 8.0, 1 and True are different keys (the float and the
+    bool are refused, every time); an unhashable argument reaches the constructor's check."""
+    from qcoll.policy import cached
+
+    a = cached(ReduceScatterPolicy, 8, 4, None, None, None, False, None)
+    assert a is cached(ReduceScatterPolicy, 8, 4, None, None, None, False, None)
+    assert a == ReduceScatterPolicy(8, 4, None, None, None, False, None)
+    assert (a.intra_code, a.inter_code) == (ReduceScatterPolicy().intra_code, ReduceScatterPolicy().inter_code)
+    assert cached(AllGatherPolicy, 8, None).bits == 8
+    for bad in (8.0, True, [8]):
+        for _ in range(2):
+            with pytest.raises(ValueError, match="bits must be"):
+                cached(AllGatherPolicy, bad, None)
+    assert cached(AllReducePolicy, None, None, None, None, True).unquantized
+    assert not cached(AllReducePolicy, 8, None, None, None, True).unquantized
+
+
 def test_kwargs_are_the_functional_keywords():
     for policy, fn in ((AllGatherPolicy(), qcoll.quantized_allgather),
                        (ReduceScatterPolicy(), qcoll.quantized_reduce_scatter),

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .._device import device_args, on_gpu
+from .._device import CPU, device_args, on_gpu
 from .steps import CallContext
 from .worker import Work
 
@@ -40,12 +40,19 @@ def drain(group) -> None:
     group._calls.drain()
 
 
+def debugging() -> bool:
+    """QCOLL_DEBUG=1 (read per call: a test may set it mid-run). The API modules ask before
+    building debug_check's metadata, which costs a measurable part of a small call."""
+    return os.environ.get("QCOLL_DEBUG", "0") not in ("", "0")
+
+
 def debug_check(group, meta: tuple, device: torch.device) -> None:
-    """QCOLL_DEBUG=1: compare the call's metadata across ranks and raise on a mismatch
-    (instead of hanging or corrupting data inside the transport). Skipped while a CUDA
-    graph is being captured on `device`: the check synchronizes the host, which a capture
-    forbids (the eager warm-up calls before the capture are checked)."""
-    if os.environ.get("QCOLL_DEBUG", "0") in ("", "0") or group.size == 1:
+    """Under QCOLL_DEBUG=1 (the caller checks debugging()): compare the call's metadata
+    across ranks and raise on a mismatch (instead of hanging or corrupting data inside the
+    transport). Skipped while a CUDA graph is being captured on `device`: the check
+    synchronizes the host, which a capture forbids (the eager warm-up calls before the
+    capture are checked)."""
+    if group.size == 1:
         return
     if on_gpu(device) and group._cuda.capturing(device):
         return
@@ -83,15 +90,16 @@ def run(what: str, group, input: torch.Tensor, output: torch.Tensor, workspace_b
     if not output.is_inference():
         torch.autograd.graph.increment_version(output)
     device = input.device
-    if on_gpu(device):
+    gpu = on_gpu(device)
+    if gpu:
         group._calls.drain()  # CPU calls issued earlier on this family go first
     comm = group.communicator(device)
-    kind, index, _ = device_args(input, "input")
+    kind, index, _ = device_args(input, "input") if gpu else (CPU, 0, 0)
     sequence = group._next_sequence()
     traffic = _C.Traffic()
     describe = Describe(what, group, sequence)
 
-    if on_gpu(device):
+    if gpu:
         def enqueue(stream, lane, workspace):
             launch(CallContext(comm, kind, index, stream.cuda_stream, lane.cuda_stream, sequence, traffic),
                    workspace)

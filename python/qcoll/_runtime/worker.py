@@ -144,12 +144,16 @@ class CallQueue:
         if not inline:
             self.submit(run, describe).result()
             return
-        previous = _C.set_openmp_threads(min(_C.openmp_threads(), self._max_threads))
+        previous = _C.openmp_threads()
+        capped = previous > self._max_threads  # else the caller's team is the call's as is
+        if capped:
+            _C.set_openmp_threads(self._max_threads)
         try:
             with self._running:
                 error = self._execute(run, describe)
         finally:
-            _C.set_openmp_threads(previous)  # the caller's own setting, for its own ops
+            if capped:
+                _C.set_openmp_threads(previous)  # the caller's own setting, for its own ops
             with self._lock:
                 self._pending -= 1
         if error is not None:
