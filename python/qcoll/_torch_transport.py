@@ -49,7 +49,7 @@ class ProcessGroupTransport:
 
     def all_to_all(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
         send, recv = buffers.pair(send_id, send_off, self.size * nbytes, recv_id, recv_off,
-                                  self.size * nbytes)
+                                  self.size * nbytes, nbytes)
         try:
             if self._direct:
                 self.pg.all_to_all_single(recv, send, [], [], self._options(c10d.AllToAllOptions)).wait()
@@ -59,7 +59,7 @@ class ProcessGroupTransport:
             raise self._failed("all-to-all", exc) from exc
 
     def all_gather(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
-        send, recv = buffers.pair(send_id, send_off, nbytes, recv_id, recv_off, self.size * nbytes)
+        send, recv = buffers.pair(send_id, send_off, nbytes, recv_id, recv_off, self.size * nbytes, nbytes)
         try:
             if self._direct:
                 self.pg.all_gather_single(recv, send, self._options(c10d.AllgatherOptions)).wait()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
 import torch
 
 import qcoll
@@ -77,29 +78,52 @@ def test_byte_exchanges_travel_as_the_widest_aligned_word():
     out = torch.zeros(32, dtype=torch.bfloat16)
     w = torch.zeros(256, dtype=torch.uint8)
     b = CallBuffers(x, out, w)
-    send, recv = b.pair(IN, 0, 16, OUT, 0, 64)
+    send, recv = b.pair(IN, 0, 16, OUT, 0, 64, 16)
     assert (send.dtype, recv.dtype, send.numel(), recv.numel()) == (torch.int64, torch.int64, 2, 8)
     assert send.data_ptr() == x.data_ptr() and recv.data_ptr() == out.data_ptr()
     # A range of the output at a 4-byte (not 8-byte) offset: int32, over the same memory.
-    send, recv = b.pair(IN, 0, 16, OUT, 4, 16)
+    send, recv = b.pair(IN, 0, 16, OUT, 4, 16, 16)
     assert send.dtype == recv.dtype == torch.int32 and recv.numel() == 4
     recv.copy_(send)
     assert torch.equal(out[2:10], x)
     grid = CallBuffers(torch.ones(2, 4), torch.zeros(4, 4), w)  # 2-D buffers: flat views
-    send, recv = grid.pair(IN, 0, 32, OUT, 0, 64)
+    send, recv = grid.pair(IN, 0, 32, OUT, 0, 64, 32)
     assert send.dtype == torch.int64 and send.dim() == recv.dim() == 1
     # Workspace slots: words at aligned offsets; an odd offset or length: bytes.
-    send, recv = b.pair(WS, 16, 32, WS, 64, 128)
+    send, recv = b.pair(WS, 16, 32, WS, 64, 128, 32)
     assert (send.dtype, recv.dtype) == (torch.int64, torch.int64)
     assert send.data_ptr() == w.data_ptr() + 16 and recv.numel() == 16
-    for args in ((WS, 1, 32, WS, 64, 128), (WS, 0, 30, WS, 64, 120)):
+    for args in ((WS, 1, 32, WS, 64, 128, 32), (WS, 0, 30, WS, 64, 120, 30)):
         send, recv = b.pair(*args)
         assert send.dtype == recv.dtype == torch.uint8
     # bf16 buffers of an odd length (6 bytes): bytes of the same memory.
     odd_in, odd_out = torch.ones(3, dtype=torch.bfloat16), torch.zeros(6, dtype=torch.bfloat16)
-    send, recv = CallBuffers(odd_in, odd_out, w).pair(IN, 0, 6, OUT, 0, 12)
+    send, recv = CallBuffers(odd_in, odd_out, w).pair(IN, 0, 6, OUT, 0, 12, 6)
     assert (send.dtype, send.numel(), recv.numel()) == (torch.uint8, 6, 12)
     assert send.data_ptr() == odd_in.data_ptr()
+    # An all-to-all of 4 pieces of 6 bytes: 24 bytes in all, but a piece is not whole words.
+    a2a_in, a2a_out = torch.ones(12, dtype=torch.bfloat16), torch.zeros(12, dtype=torch.bfloat16)
+    send, recv = CallBuffers(a2a_in, a2a_out, w).pair(IN, 0, 24, OUT, 0, 24, 6)
+    assert send.dtype == recv.dtype == torch.uint8
+    # Whole buffers of different dtypes (a byte tensor and bf16) that fit no word: both bytes.
+    send, recv = CallBuffers(torch.ones(3, dtype=torch.uint8), odd_out, w).pair(IN, 0, 3, OUT, 0, 12, 3)
+    assert (send.dtype, recv.dtype, recv.numel()) == (torch.uint8, torch.uint8, 12)
+
+
+def test_a_call_on_a_device_qcoll_does_not_run_on_is_refused_by_name():
+    """The runtime's CPU shortcut (no device_args for a plain CPU tensor) still sends any
+    other device to device_args' error, before any exchange."""
+    from qcoll._runtime import call
+
+    class Group:  # only what run() reads before the device check
+        _calls = None
+
+        def communicator(self, device):
+            return None
+
+    with pytest.raises(ValueError, match="input must be on a cpu or cuda device, got meta"):
+        meta = torch.empty(4, device="meta")
+        call.run("quantized_allgather", Group(), meta, meta, 0, lambda ctx, ws: None, False)
 
 
 def _transport_worker(rank, world):

@@ -40,9 +40,10 @@ class CallBuffers:
         return view[offset:offset + nbytes]
 
     def pair(self, send: int, send_off: int, send_bytes: int, recv: int, recv_off: int,
-             recv_bytes: int) -> tuple:
-        """(send, recv) views for a byte-moving exchange (all-gather, all-to-all), in the
-        widest word both ranges hold whole and aligned: int64, else int32, else bytes.
+             recv_bytes: int, peer_bytes: int) -> tuple:
+        """(send, recv) views for a byte-moving exchange (all-gather, all-to-all) whose
+        transport splits the ranges into pieces of peer_bytes, in the widest word that both
+        ranges and every piece hold whole and aligned: int64, else int32, else bytes.
 
         Why not bytes: with more ranks than cores, a gloo all-gather of 64 KB as uint8 ran at
         1.4-5x the time of the same bytes as int32, the gap gone under
@@ -53,12 +54,12 @@ class CallBuffers:
         if not (send_off == 0 and recv_off == 0 and s.dim() == 1 and r.dim() == 1
                 and s.nbytes == send_bytes and r.nbytes == recv_bytes):
             s, r = self.bytes(send, send_off, send_bytes), self.bytes(recv, recv_off, recv_bytes)
-        alignment = (send_bytes | recv_bytes | s.storage_offset() * s.element_size()
+        alignment = (send_bytes | recv_bytes | peer_bytes | s.storage_offset() * s.element_size()
                      | r.storage_offset() * r.element_size())
         for word in _WORDS:
             if alignment % word.itemsize == 0:
                 return s.view(word), r.view(word)
-        if s.dtype is not torch.uint8:  # whole buffers of another dtype
+        if s.dtype is not torch.uint8 or r.dtype is not torch.uint8:  # whole buffers of another dtype
             s, r = self.bytes(send, send_off, send_bytes), self.bytes(recv, recv_off, recv_bytes)
         return s, r
 

@@ -94,7 +94,9 @@ def run(what: str, group, input: torch.Tensor, output: torch.Tensor, workspace_b
     if gpu:
         group._calls.drain()  # CPU calls issued earlier on this family go first
     comm = group.communicator(device)
-    kind, index, _ = device_args(input, "input") if gpu else (CPU, 0, 0)
+    # A plain CPU tensor skips device_args (a measurable part of a small call); any other
+    # device (meta, mps, ...) still gets its clear error there.
+    kind, index, _ = (CPU, 0, 0) if not gpu and device.type == "cpu" else device_args(input, "input")
     sequence = group._next_sequence()
     traffic = _C.Traffic()
     describe = Describe(what, group, sequence)
