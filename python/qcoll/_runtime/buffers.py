@@ -51,15 +51,16 @@ class CallBuffers:
         more than ATen's 32,768-element grain (bench/results/probe-gloo-byte-dtype-cpu.txt).
         Whole 1-D buffers are used as they are (no slice made per call)."""
         s, r = self._tensors[send], self._tensors[recv]
-        if not (send_off == 0 and recv_off == 0 and s.dim() == 1 and r.dim() == 1
-                and s.nbytes == send_bytes and r.nbytes == recv_bytes):
+        whole = (send_off == 0 and recv_off == 0 and s.dim() == 1 and r.dim() == 1
+                 and s.nbytes == send_bytes and r.nbytes == recv_bytes)
+        if not whole:
             s, r = self.bytes(send, send_off, send_bytes), self.bytes(recv, recv_off, recv_bytes)
         alignment = (send_bytes | recv_bytes | peer_bytes | s.storage_offset() * s.element_size()
                      | r.storage_offset() * r.element_size())
         for word in _WORDS:
             if alignment % word.itemsize == 0:
                 return s.view(word), r.view(word)
-        if s.dtype is not torch.uint8 or r.dtype is not torch.uint8:  # whole buffers of another dtype
+        if whole:  # in their own dtypes, which may differ: as bytes
             s, r = self.bytes(send, send_off, send_bytes), self.bytes(recv, recv_off, recv_bytes)
         return s, r
 

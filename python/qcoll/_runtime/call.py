@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .._device import CPU, device_args, on_gpu
+from .._device import device_args, on_gpu
 from .steps import CallContext
 from .worker import Work
 
@@ -47,12 +47,12 @@ def debugging() -> bool:
 
 
 def debug_check(group, meta: tuple, device: torch.device) -> None:
-    """Under QCOLL_DEBUG=1 (the caller checks debugging()): compare the call's metadata
-    across ranks and raise on a mismatch (instead of hanging or corrupting data inside the
-    transport). Skipped while a CUDA graph is being captured on `device`: the check
-    synchronizes the host, which a capture forbids (the eager warm-up calls before the
-    capture are checked)."""
-    if group.size == 1:
+    """Under QCOLL_DEBUG=1 (callers ask debugging() first, to skip building `meta`): compare
+    the call's metadata across ranks and raise on a mismatch (instead of hanging or
+    corrupting data inside the transport). Skipped while a CUDA graph is being captured on
+    `device`: the check synchronizes the host, which a capture forbids (the eager warm-up
+    calls before the capture are checked)."""
+    if not debugging() or group.size == 1:  # a caller that did not ask exchanges nothing
         return
     if on_gpu(device) and group._cuda.capturing(device):
         return
@@ -94,9 +94,7 @@ def run(what: str, group, input: torch.Tensor, output: torch.Tensor, workspace_b
     if gpu:
         group._calls.drain()  # CPU calls issued earlier on this family go first
     comm = group.communicator(device)
-    # A plain CPU tensor skips device_args (a measurable part of a small call); any other
-    # device (meta, mps, ...) still gets its clear error there.
-    kind, index, _ = (CPU, 0, 0) if not gpu and device.type == "cpu" else device_args(input, "input")
+    kind, index, _ = device_args(input, "input")
     sequence = group._next_sequence()
     traffic = _C.Traffic()
     describe = Describe(what, group, sequence)
