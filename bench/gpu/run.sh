@@ -8,7 +8,8 @@
 # runtime (bench/gpu/link_report.py); import; a 2-rank NCCL smoke test
 # (60 s); every test marked gpu (pytest -m gpu: the kernels, the NCCL transport, streams,
 # CUDA graphs, failure detection); compute-sanitizer
-# memcheck and racecheck over the CUDA kernel tests; the `kernels` suite on CUDA; the
+# memcheck and racecheck over the CUDA kernel tests; the `kernels` suite on CUDA (its ladder,
+# then 256 MB and 1 GB inputs); the
 # `collectives` suite with 4 NCCL ranks sharing GPU 0 (correctness and bytes only: ranks
 # time-slice one GPU, so its times mean little); the two training examples on 4 NCCL ranks
 # sharing GPU 0; Nsight Compute over the slowest kernels (ncu-kernels.ncu-rep and
@@ -118,6 +119,8 @@ else
     --print-limit 20 python3 -m pytest -q -x -p no:cacheprovider --timeout=80 \
     "${KERNEL_TESTS[@]}" -k "$SANITIZE_K"
   step kernels_cuda 150 python3 bench/run.py kernels --device cuda --json "$WORK/kernels-cuda.json" --plot "$OUT_DIR/kernels-cuda.png"
+  # The issue's sizes for the kernel targets: 256 MB and 1 GB inputs (the ladder stops at 256 MB).
+  step kernels_cuda_large 120 python3 bench/run.py kernels --device cuda --sizes 256M,1G --json "$WORK/kernels-cuda-large.json"
   step collectives_nccl 150 python3 bench/run.py collectives --device cuda --quick --json "$WORK/collectives-nccl.json"
   # Training on NCCL ranks: 4 ranks as 2 nodes x 2 sharing GPU 0 over loopback sockets
   # (correctness: the loss falls and ZeRO++ tracks ZeRO-3 / FSDP2's default; times mean little).
@@ -143,7 +146,7 @@ steps = [json.loads(line) for line in open(steps_path)]
 result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "command": "bash bench/gpu/run.sh", "budget_s": int(budget), "steps": steps,
           "failed_steps": [s["step"] for s in steps if s["rc"] != 0]}
-for name in ("kernels-cuda", "collectives-nccl"):
+for name in ("kernels-cuda", "kernels-cuda-large", "collectives-nccl"):
     path = os.path.join(work, name + ".json")
     result[name.replace("-", "_")] = json.load(open(path)) if os.path.exists(path) else None
 json.dump(result, open(out, "w"), indent=1)

@@ -47,7 +47,7 @@ class EncoderLM(nn.Module):
 
     def forward(self, x):
         h = self.emb(x) + self.pos[: x.shape[1]]
-        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
         for layer in self.layers:
             h = layer(h, src_mask=mask, is_causal=True)
         return self.head(self.norm(h))
