@@ -27,13 +27,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from timing import _busy_seconds, _own_seconds  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+CONTROL = "control:"
 TORCH_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 TORCH_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def calls(collective: str, size: int, dtype, world: int, group, rank: int) -> dict:
     """{"qcoll": fn, "torch": fn} for one cell; size: bytes of the full tensor (all-reduce:
-    the tensor; all-gather: its output; reduce-scatter: its input)."""
+    the tensor; all-gather: its output; reduce-scatter: its input). "control:COLLECTIVE":
+    torch's call in both places, timed the same way (the harness's own noise)."""
+    if collective.startswith(CONTROL):
+        torch_fn = calls(collective[len(CONTROL):], size, dtype, world, group, rank)["torch"]
+        return {"qcoll": torch_fn, "torch": torch_fn}
     g = torch.Generator().manual_seed(rank)
     if collective == "all_reduce":
         x = torch.randn(max(1, size // dtype.itemsize), generator=g).to(dtype)

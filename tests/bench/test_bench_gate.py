@@ -63,3 +63,21 @@ def test_gate_fails_on_a_deliberately_slowed_kernel():
         assert result["cells"][cell]["status"] == "slow", (cell, result["cells"][cell])
         assert cell in result["failing_cells"]
     assert "gate FAILED" in proc.stdout
+
+
+def _row(collective, nbytes, ratio, control=False, mode="2 threads"):
+    return dict(world=4, node_size=2, mode=mode, dtype="fp32", bytes=nbytes, collective=collective,
+                control=control, ratio=ratio, qcoll_per_call_s=0.003, qcoll_stalls=0, torch_stalls=0)
+
+
+def test_sizes_targets_leave_the_control_cells_out_and_report_their_band():
+    from suites import sizes
+
+    rows = [_row("allgather", 1 << 20, 1.2), _row("all_reduce", 1 << 10, 1.45),
+            _row("allgather", 1 << 20, 1.4, control=True), _row("all_reduce", 64 << 10, 0.9, control=True)]
+    verdict = sizes.targets(rows)
+    assert verdict["ratio"]["met"] and verdict["ratio"]["worst"] == 1.45  # 1 KB: limit 1.5
+    assert sizes.control(rows) == {"cells": 2, "min": 0.9, "max": 1.4, "median": 1.15}
+    rows[0]["ratio"] = 1.26  # over the 1.25 limit from 64 KB up
+    assert sizes.targets(rows)["ratio"]["over_limit"] == ["allgather 1 MB fp32 2x2 2 threads: 1.26"]
+    assert sizes.control([r for r in rows if not r["control"]]) == {}
