@@ -19,7 +19,7 @@
 # step's limit, so a hang names its test. QCOLL_EXPECT_GPU=1 is exported: a GPU test that
 # skips fails. Each step's exit code, duration and log tail go into ONE results file:
 #
-#   OUT_DIR/gpu-results.json   {"steps": [...], "failed_steps": [...], "kernels_cuda": ...}
+#   OUT_DIR/gpu-results.json   {"steps": [...], "failed_steps": [...], "kernels_cuda": ..., "kernels_cuda_large": ..., "collectives_nccl": ...}
 #   OUT_DIR/gpu-run.log        the full `set -x` log
 #   OUT_DIR/steps/NAME.log     each step's whole log, written as it runs
 #   OUT_DIR/kernels-cuda.png   the kernels chart

@@ -8,7 +8,9 @@ hook's all-reduce over qcoll's raw-NCCL transport, 4 ranks sharing ONE GPU as 2 
   all-reduce (the loss falls, the final loss within 3%).
 
 The worker takes the device, so the same scenario runs on gloo CPU ranks too
-(test_ddp_scenario_on_cpu_ranks): what the GPU run checks is checked here first."""
+(test_ddp_scenario_on_cpu_ranks): the harness and the training checks are proven there
+first, though on CPU both transports are gloo, so its bit check only shows the hook equals
+a direct quantized_all_reduce. error_feedback=False: each bucket is checked on its own."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def _train(rank, world, device_type, hooked):
     gloo = qcoll.new_group(None, node_size=NODE, backend="torch")  # the reference, on the CPU
     torch.manual_seed(0)
     model = DDP(EncoderLM(32, 1, 64).to(dev), device_ids=[0] if cuda else None,
-                process_group=pg, bucket_cap_mb=0.01)  # several buckets, of uneven sizes
+                process_group=pg, bucket_cap_mb=0.01)  # after the first step: several buckets
     state = qcoll.ddp.QuantizedHookState(ours, error_feedback=False)  # int8 in, int4 across
     seen = []  # (bucket index, the rank's bucket before, the hook's result), this step
 
