@@ -178,8 +178,7 @@ class AllReducePolicy(_Policy):
 
     @functools.cached_property
     def unquantized(self) -> bool:
-        # reduce_scatter().unquantized, without building that policy on every call
-        return format_code(self.bits, "bits") == RAW_CODE and format_code(self.cross_bits, "inter_bits") == RAW_CODE
+        return self.reduce_scatter().unquantized
 
     @property
     def cross_bits(self):
