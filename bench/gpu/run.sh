@@ -9,7 +9,7 @@
 # (60 s); every test marked gpu (pytest -m gpu: the kernels, the NCCL transport, streams,
 # CUDA graphs, failure detection); compute-sanitizer
 # memcheck and racecheck over the CUDA kernel tests; the `kernels` suite on CUDA (its ladder,
-# then 256 MB and 1 GB inputs); the
+# then 256 MB and 1 GB inputs); where a kernel call's fixed cost goes (bench/gpu/trace_calls.py); the
 # `collectives` suite with 4 NCCL ranks sharing GPU 0 (correctness and bytes only: ranks
 # time-slice one GPU, so its times mean little); the two training examples on 4 NCCL ranks
 # sharing GPU 0; Nsight Compute over the slowest kernels (ncu-kernels.ncu-rep and
@@ -19,7 +19,7 @@
 # step's limit, so a hang names its test. QCOLL_EXPECT_GPU=1 is exported: a GPU test that
 # skips fails. Each step's exit code, duration and log tail go into ONE results file:
 #
-#   OUT_DIR/gpu-results.json   {"steps": [...], "failed_steps": [...], "kernels_cuda": ..., "kernels_cuda_large": ..., "collectives_nccl": ...}
+#   OUT_DIR/gpu-results.json   {"steps": [...], "failed_steps": [...], "kernels_cuda": ..., "kernels_cuda_large": ..., "trace_calls": ..., "collectives_nccl": ...}
 #   OUT_DIR/gpu-run.log        the full `set -x` log
 #   OUT_DIR/steps/NAME.log     each step's whole log, written as it runs
 #   OUT_DIR/kernels-cuda.png   the kernels chart
@@ -121,6 +121,8 @@ else
   step kernels_cuda 150 python3 bench/run.py kernels --device cuda --json "$WORK/kernels-cuda.json" --plot "$OUT_DIR/kernels-cuda.png"
   # The issue's sizes for the kernel targets: 256 MB and 1 GB inputs (the ladder stops at 256 MB).
   step kernels_cuda_large 120 python3 bench/run.py kernels --device cuda --sizes 256M,1G --json "$WORK/kernels-cuda-large.json"
+  # Where a kernel call's fixed ~32 us goes (host work before the launch, extra kernels, the tail).
+  step trace_calls 90 python3 bench/gpu/trace_calls.py "$WORK/trace-calls.json"
   step collectives_nccl 150 python3 bench/run.py collectives --device cuda --quick --json "$WORK/collectives-nccl.json"
   # Training on NCCL ranks: 4 ranks as 2 nodes x 2 sharing GPU 0 over loopback sockets
   # (correctness: the loss falls and ZeRO++ tracks ZeRO-3 / FSDP2's default; times mean little).
@@ -146,7 +148,7 @@ steps = [json.loads(line) for line in open(steps_path)]
 result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "command": "bash bench/gpu/run.sh", "budget_s": int(budget), "steps": steps,
           "failed_steps": [s["step"] for s in steps if s["rc"] != 0]}
-for name in ("kernels-cuda", "kernels-cuda-large", "collectives-nccl"):
+for name in ("kernels-cuda", "kernels-cuda-large", "trace-calls", "collectives-nccl"):
     path = os.path.join(work, name + ".json")
     result[name.replace("-", "_")] = json.load(open(path)) if os.path.exists(path) else None
 json.dump(result, open(out, "w"), indent=1)

@@ -166,7 +166,7 @@ def papers(kernels: dict) -> dict:
     sm = gpu_model(s["gpus"], s["per_node"], s["inter_gbit"], kernels=kernels)
     ss = step(sm, s["params"], s["tokens_per_gpu"], s["layers"], PEAK_FLOPS, MFU)
     out["sdp4bit_4.08x"] = dict(what=s["what"] + "; projected: qcoll's ZeRO++ configuration (not qWD) on "
-                                "H100-class rates", paper=s["paper"], projected=ss["zeropp_speedup"])
+                                "the measured GPU kernel rates", paper=s["paper"], projected=ss["zeropp_speedup"])
     for key in ("agoq_allreduce_200g", "agoq_allreduce_10g"):
         a = PAPERS[key]
         # DP=8 across 8 nodes, one rank per node, beside 7 other TP ranks sharing the NIC.
