@@ -166,13 +166,16 @@ class Group:
     def _use_nccl(self, device: torch.device) -> bool:
         if self.backend == "torch":
             return False
+        gpu = on_gpu(device)
         if self.backend == "nccl":
-            if not on_gpu(device):
+            if not gpu:
                 raise ValueError(f"backend='nccl' needs CUDA tensors, got a tensor on {device}")
             return True
+        if not gpu or self.size == 1:
+            return False
         from ._nccl import nccl_available
 
-        return on_gpu(device) and self.size > 1 and nccl_available()
+        return nccl_available()
 
     def __repr__(self) -> str:
         return (f"qcoll.Group(rank={self.rank}, size={self.size}, node_size={self.node_size}, "

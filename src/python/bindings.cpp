@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -361,6 +362,16 @@ PYBIND11_MODULE(QCOLL_MODULE_NAME, m) {
   m.def("set_openmp_threads", &qcoll::set_openmp_threads, py::arg("threads"),
         "Sets the calling thread's OpenMP team size; returns the previous one.");
   m.def("openmp_threads", &qcoll::openmp_max_threads, "The calling thread's OpenMP team size.");
+  // The process environment as getenv sees it (os.environ's writes reach it through
+  // putenv): one C call per collective for QCOLL_DEBUG, where os.environ.get runs three
+  // Python frames.
+  m.def(
+      "env_flag",
+      [](const std::string& name) {
+        const char* value = std::getenv(name.c_str());
+        return value != nullptr && value[0] != '\0' && std::string(value) != "0";
+      },
+      py::arg("name"), "Whether the environment variable is set to something other than '' or '0'.");
   bind_collectives(m);
   m.attr("GROUP_SIZE_MULTIPLE") = qcoll::kGroupSizeMultiple;
   m.attr("MAX_GROUP_SIZE") = qcoll::kMaxGroupSize;

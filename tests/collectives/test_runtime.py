@@ -67,9 +67,10 @@ def test_call_buffers_are_indexed_by_the_cores_buffer_ids():
 
 
 def test_byte_exchanges_travel_as_the_widest_aligned_word():
-    """pair(): int64 words where both ranges are whole, 8-byte aligned words, else int32,
-    else bytes; views over the call's own memory (whole 1-D buffers without a slice).
-    Gloo's copies of many 1-byte elements ran 3-5x slower
+    """pair(): whole buffers of one floating dtype as they are (torch's own call's element
+    type, no view made); otherwise int64 words where both ranges are whole, 8-byte aligned
+    words, else int32, else bytes; views over the call's own memory (whole 1-D buffers
+    without a slice). Gloo's copies of many 1-byte elements ran 3-5x slower
     (bench/results/probe-gloo-byte-dtype-cpu.txt)."""
     from qcoll._runtime.buffers import CallBuffers
 
@@ -79,6 +80,10 @@ def test_byte_exchanges_travel_as_the_widest_aligned_word():
     w = torch.zeros(256, dtype=torch.uint8)
     b = CallBuffers(x, out, w)
     send, recv = b.pair(IN, 0, 16, OUT, 0, 64, 16)
+    assert send is x and recv is out  # the tensors themselves
+    # Whole byte tensors (FSDP2's mixed-dtype groups): int64 words over the same memory.
+    xb, outb = x.view(torch.uint8), out.view(torch.uint8)
+    send, recv = CallBuffers(xb, outb, w).pair(IN, 0, 16, OUT, 0, 64, 16)
     assert (send.dtype, recv.dtype, send.numel(), recv.numel()) == (torch.int64, torch.int64, 2, 8)
     assert send.data_ptr() == x.data_ptr() and recv.data_ptr() == out.data_ptr()
     # A range of the output at a 4-byte (not 8-byte) offset: int32, over the same memory.
@@ -96,14 +101,23 @@ def test_byte_exchanges_travel_as_the_widest_aligned_word():
     for args in ((WS, 1, 32, WS, 64, 128, 32), (WS, 0, 30, WS, 64, 120, 30)):
         send, recv = b.pair(*args)
         assert send.dtype == recv.dtype == torch.uint8
-    # bf16 buffers of an odd length (6 bytes): bytes of the same memory.
+    # bf16 buffers of an odd length (6 bytes): no word holds them, bf16 does; as byte
+    # tensors, bytes of the same memory.
     odd_in, odd_out = torch.ones(3, dtype=torch.bfloat16), torch.zeros(6, dtype=torch.bfloat16)
     send, recv = CallBuffers(odd_in, odd_out, w).pair(IN, 0, 6, OUT, 0, 12, 6)
+    assert send is odd_in and recv is odd_out
+    send, recv = CallBuffers(odd_in.view(torch.uint8), odd_out.view(torch.uint8), w).pair(IN, 0, 6, OUT, 0, 12, 6)
     assert (send.dtype, send.numel(), recv.numel()) == (torch.uint8, 6, 12)
     assert send.data_ptr() == odd_in.data_ptr()
-    # An all-to-all of 4 pieces of 6 bytes: 24 bytes in all, but a piece is not whole words.
+    # An all-to-all of 4 pieces of 6 bytes: 24 bytes in all, but a piece is not whole words;
+    # a piece of 6 bytes is 3 bf16 elements, of 5 bytes not even that.
     a2a_in, a2a_out = torch.ones(12, dtype=torch.bfloat16), torch.zeros(12, dtype=torch.bfloat16)
     send, recv = CallBuffers(a2a_in, a2a_out, w).pair(IN, 0, 24, OUT, 0, 24, 6)
+    assert send is a2a_in and recv is a2a_out
+    send, recv = CallBuffers(a2a_in.view(torch.uint8), a2a_out.view(torch.uint8), w).pair(IN, 0, 24, OUT, 0, 24, 6)
+    assert send.dtype == recv.dtype == torch.uint8
+    b5 = torch.ones(20, dtype=torch.uint8)
+    send, recv = CallBuffers(b5, torch.zeros(20, dtype=torch.uint8), w).pair(IN, 0, 20, OUT, 0, 20, 5)
     assert send.dtype == recv.dtype == torch.uint8
     # Whole buffers of different dtypes (a byte tensor and bf16) that fit no word: both bytes.
     send, recv = CallBuffers(torch.ones(3, dtype=torch.uint8), odd_out, w).pair(IN, 0, 3, OUT, 0, 12, 3)

@@ -6,14 +6,13 @@ here."""
 
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .. import _C
-from .._device import device_args, on_gpu
+from .._device import CUDA, device_args, on_gpu
 from .steps import CallContext
 from .worker import Work
 
@@ -41,9 +40,10 @@ def drain(group) -> None:
 
 
 def debugging() -> bool:
-    """QCOLL_DEBUG=1 (read per call: a test may set it mid-run). The API modules ask before
-    building debug_check's metadata, which costs a measurable part of a small call."""
-    return os.environ.get("QCOLL_DEBUG", "0") not in ("", "0")
+    """QCOLL_DEBUG=1 (read per call: a test may set it mid-run; os.environ's writes reach
+    getenv). The API modules ask before building debug_check's metadata, which costs a
+    measurable part of a small call."""
+    return _C.env_flag("QCOLL_DEBUG")
 
 
 def debug_check(group, meta: tuple, device: torch.device) -> None:
@@ -89,12 +89,11 @@ def run(what: str, group, input: torch.Tensor, output: torch.Tensor, workspace_b
     Work raises too."""
     if not output.is_inference():
         torch.autograd.graph.increment_version(output)
-    device = input.device
-    gpu = on_gpu(device)
+    kind, index, _ = device_args(input, "input")
+    gpu = kind == CUDA  # a CUDA tensor, or a CPU one under the virtual GPU (as on_gpu)
     if gpu:
         group._calls.drain()  # CPU calls issued earlier on this family go first
-    comm = group.communicator(device)
-    kind, index, _ = device_args(input, "input")
+    comm = group.communicator(input.device)
     sequence = group._next_sequence()
     traffic = _C.Traffic()
     describe = Describe(what, group, sequence)
@@ -104,7 +103,7 @@ def run(what: str, group, input: torch.Tensor, output: torch.Tensor, workspace_b
             launch(CallContext(comm, kind, index, stream.cuda_stream, lane.cuda_stream, sequence, traffic),
                    workspace)
 
-        call = group._cuda.run(device, enqueue, workspace_bytes, (input, output), (comm, *comms),
+        call = group._cuda.run(input.device, enqueue, workspace_bytes, (input, output), (comm, *comms),
                                describe, async_op)
         return None if call is None else Work(traffic=traffic, cuda_call=call)
 
@@ -122,9 +121,11 @@ def _cpu_workspace(group, nbytes: int) -> torch.Tensor:
     come back from the OS as new pages, and faulting them in cost a quarter of a 64 MB
     reduce-scatter (bench/results/cluster-cpu.json). It is taken when the call runs on the
     family's worker, which runs one call at a time, so two calls in flight never share it.
-    (CUDA calls use their family's cached workspace: streams.py.)"""
+    (CUDA calls use their family's cached workspace: streams.py.) It is handed over whole,
+    not sliced to nbytes: the core and the transport address it by offset, and a slice is
+    a tensor made per call (a few us of a small call in situ)."""
     workspace = group._cpu_workspace
     if workspace is None or workspace.numel() < nbytes:
         workspace = group._cpu_workspace = torch.empty(nbytes, dtype=torch.uint8)
-    return workspace if workspace.numel() == nbytes else workspace[:nbytes]
+    return workspace
 
