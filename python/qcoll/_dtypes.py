@@ -12,9 +12,11 @@ ALLOWED = "float32, float16 or bfloat16"
 BYTES_CODE = _C.DTYPES["bytes"]
 
 
-def dtype_code(dtype: torch.dtype, what: str) -> int:
-    """The core's code for a floating dtype; TypeError naming `what` otherwise."""
+def dtype_code(dtype: torch.dtype, what: str, arg: str = "") -> int:
+    """The core's code for a floating dtype; TypeError naming `what` (and `arg`, joined only
+    then: callers on a collective's path pass the call and the argument apart) otherwise."""
     try:
         return DTYPE_CODES[dtype]
     except KeyError:
-        raise TypeError(f"{what} must have dtype {ALLOWED}, got {dtype}") from None
+        name = f"{what}: {arg}" if arg else what
+        raise TypeError(f"{name} must have dtype {ALLOWED}, got {dtype}") from None

@@ -56,9 +56,10 @@ def check_pair(output, input, expected_out: int, expected_in: int, what: str,
         for name, t in ((out_name, output), (in_name, input)):
             _check_tensor_arg(t, name, what)
     _check_written(output, out_name, what)
-    code = DTYPE_CODES.get(input.dtype)
-    if code is None:
-        code = BYTES_CODE if raw_bytes_ok else dtype_code(input.dtype, f"{what}: {in_name}")
+    if raw_bytes_ok and input.dtype not in DTYPE_CODES:
+        code = BYTES_CODE
+    else:
+        code = dtype_code(input.dtype, what, in_name)
     if output.dtype != input.dtype:
         raise ValueError(f"{what}: {out_name} dtype {output.dtype} does not match {in_name} dtype {input.dtype}")
     if output.device != input.device:
@@ -73,8 +74,7 @@ def check_in_place(tensor, what: str) -> int:
     """The dtype code of the one tensor an in-place call (the all-reduce) reads and writes."""
     _check_tensor_arg(tensor, "tensor", what)
     _check_written(tensor, "tensor", what)
-    code = DTYPE_CODES.get(tensor.dtype)
-    return dtype_code(tensor.dtype, f"{what}: tensor") if code is None else code
+    return dtype_code(tensor.dtype, what, "tensor")
 
 
 def check_op(op) -> int:

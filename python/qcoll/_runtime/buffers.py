@@ -16,7 +16,6 @@ _INPUT, _OUTPUT, _WORKSPACE = IDS["input"], IDS["output"], IDS["workspace"]
 if sorted(IDS.values()) != [0, 1, 2]:  # CallBuffers lists its tensors by id
     raise ImportError(f"qcoll: the core's buffer ids {IDS} are not 0, 1, 2")
 _DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
-_FLOATING = frozenset(DTYPE_CODES)
 _WORDS = (torch.int64, torch.int32)  # what byte-moving exchanges travel as, widest first
 
 
@@ -52,12 +51,12 @@ class CallBuffers:
         more than ATen's 32,768-element grain (bench/results/probe-gloo-byte-dtype-cpu.txt).
         Whole 1-D buffers are used as they are (no slice made per call), and whole ones of
         one floating dtype whose elements the pieces hold whole travel in it, as torch's own
-        call of them would (an unquantized call's tensors): a view per buffer costs about
-        15 us of a small call's CPU in situ (bench/results/probe-call-cpu-night.txt)."""
+        call of them would (an unquantized call's tensors): each view costs about 7 us of a
+        small call's CPU in situ (bench/results/probe-call-cpu-night.txt)."""
         s, r = self._tensors[send], self._tensors[recv]
         whole = (send_off == 0 and recv_off == 0 and s.dim() == 1 and r.dim() == 1
                  and s.nbytes == send_bytes and r.nbytes == recv_bytes)
-        if whole and s.dtype is r.dtype and s.dtype in _FLOATING and peer_bytes % s.element_size() == 0:
+        if whole and s.dtype is r.dtype and s.dtype in DTYPE_CODES and peer_bytes % s.element_size() == 0:
             return s, r
         if not whole:
             s, r = self.bytes(send, send_off, send_bytes), self.bytes(recv, recv_off, recv_bytes)
