@@ -6,8 +6,11 @@ Per dtype, size and collective: qcoll's unquantized call (bits=None) and torch's
 at each of the config's thread counts (torch.set_num_threads before each block), in blocks
 of back-to-back calls taking turns (forward, then backward order; a barrier before each
 block only), so that a thread count's time is compared with the other's measured alike.
-Every call's time is kept (the slowest rank's), and each block's total. Rank 0 writes the
-cells as JSON to the config's "out" path."""
+Every call's time is kept (the slowest rank's), and each block's total, with the evidence
+of what a stalled call waited for (stall_evidence.py): whether a full garbage collection ran
+during it on any rank, the steal during its block, and the TCP delayed ACKs sent during the
+first call of its block (read outside the timed call). Rank 0 writes the cells as JSON to
+the config's "out" path."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import qcoll
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from suites.sizes import CONTROL  # noqa: E402  (the cell names' one definition)
+from stall_evidence import FullCollections, delayed_acks, steal_seconds  # noqa: E402
 from timing import _busy_seconds, _own_seconds  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -91,26 +95,44 @@ def measure(fns: dict, blocks: int, budget_s: float) -> dict:
     k = int(slowest([k])[0])
     times = {name: [] for name in fns}
     totals = {name: [] for name in fns}
+    full_gc = {name: [] for name in fns}
+    steal = {name: [] for name in fns}
+    first_acks = {name: [] for name in fns}
     order = list(fns)
     wall0, busy0, own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
-    for b in range(blocks):
-        for name in (order if b % 2 == 0 else order[::-1]):
-            fn, threads = fns[name]
-            torch.set_num_threads(threads)
-            dist.barrier(group=SYNC)
-            start = time.perf_counter()
-            for _ in range(k):
-                c0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - c0)
-            totals[name].append(time.perf_counter() - start)
+    with FullCollections() as collections:
+        for b in range(blocks):
+            for name in (order if b % 2 == 0 else order[::-1]):
+                fn, threads = fns[name]
+                torch.set_num_threads(threads)
+                steal0 = steal_seconds()
+                dist.barrier(group=SYNC)
+                starts, ends = [], []
+                acks = delayed_acks()
+                start = time.perf_counter()
+                for i in range(k):
+                    c0 = time.perf_counter()
+                    fn()
+                    c1 = time.perf_counter()
+                    starts.append(c0)
+                    ends.append(c1)
+                    if i == 0:  # the first call's delayed ACKs, its reading left out of the block
+                        acks = delayed_acks() - acks
+                        start += time.perf_counter() - c1
+                totals[name].append(time.perf_counter() - start)
+                times[name] += [e - s for s, e in zip(starts, ends)]
+                full_gc[name] += collections.overlapping(starts, ends)
+                steal[name].append(steal_seconds() - steal0)
+                first_acks[name].append(float(acks))
     # CPU that processes other than the ranks used meanwhile, in cores (machine-wide).
     wall, busy = time.perf_counter() - wall0, _busy_seconds() - busy0
     own = torch.tensor([_own_seconds() - own0], dtype=torch.float64)
     dist.all_reduce(own, group=SYNC)
     others = max(0.0, busy - own.item()) / wall
     return {name: {"calls_s": slowest(times[name]), "blocks_s": slowest(totals[name]),
-                   "calls_per_block": k, "other_cores": slowest([others])[0]} for name in fns}
+                   "calls_per_block": k, "other_cores": slowest([others])[0],
+                   "full_gc": slowest(full_gc[name]), "block_steal_s": slowest(steal[name]),
+                   "first_call_delayed_acks": slowest(first_acks[name])} for name in fns}
 
 
 def main() -> None:

@@ -17,7 +17,9 @@ is the harness's noise, printed beside the targets and shaded on the chart.
 
 Targets (item 3): ratio <= 1.25 from 64 KB up, <= 1.5 below; no stalled call (above both
 3x its cell's median and the median + 20 ms); at 1 thread and under torchrun, qcoll's time
-per call at most 1.3x its 2-thread time.
+per call at most 1.3x its 2-thread time. Each stalled call, qcoll's and torch's, is put down
+to the cause the machine recorded (stall_causes: a full garbage collection, steal, a TCP
+delayed ACK, or unexplained).
 
 `ratios(cells)`: a few (collective, bytes) ratios on 2 x 2 in a few seconds, for a gate."""
 
@@ -54,9 +56,43 @@ def limit(nbytes: int) -> float:
     return 1.25 if nbytes >= SMALL_BYTES else 1.5
 
 
-def stalls(times: list) -> int:
+def stalled(times: list) -> list:
+    """Indices of the stalled calls: above both 3x the median and the median + 20 ms."""
     med = statistics.median(times)
-    return sum(t > STALL_FACTOR * med and t > med + STALL_MARGIN_S for t in times)
+    return [i for i, t in enumerate(times) if t > STALL_FACTOR * med and t > med + STALL_MARGIN_S]
+
+
+def stalls(times: list) -> int:
+    return len(stalled(times))
+
+
+# A stall's cause, by the evidence the worker kept (bench/stall_evidence.py), in this order:
+# a full garbage collection during the call on some rank; at least one clock tick (10 ms) of
+# steal during its block; the first call of its block, during which TCP sent delayed ACKs;
+# else unexplained (qcoll's or torch's own).
+STALL_CAUSES = ("full_gc", "steal", "delayed_ack", "unexplained")
+STEAL_EVIDENCE_S = 0.01
+
+
+def stall_causes(d: dict) -> dict:
+    """{cause: count} over one side's stalled calls (a worker's per-name record); {} for a
+    record without evidence (results from before the worker kept it)."""
+    if "full_gc" not in d:
+        return {}
+    k = d["calls_per_block"]
+    counts = dict.fromkeys(STALL_CAUSES, 0)
+    for i in stalled(d["calls_s"]):
+        block = i // k
+        if d["full_gc"][i]:
+            cause = "full_gc"
+        elif d["block_steal_s"][block] >= STEAL_EVIDENCE_S:
+            cause = "steal"
+        elif i % k == 0 and d["first_call_delayed_acks"][block] > 0:
+            cause = "delayed_ack"
+        else:
+            cause = "unexplained"
+        counts[cause] += 1
+    return counts
 
 
 def _launch(world: int, node_size: int, omp: str, cells: list, blocks: int, budget_s: float,
@@ -83,6 +119,7 @@ def _launch(world: int, node_size: int, omp: str, cells: list, blocks: int, budg
                 row[f"{name}_median_s"] = statistics.median(d["calls_s"])
                 row[f"{name}_max_s"] = max(d["calls_s"])
                 row[f"{name}_stalls"] = stalls(d["calls_s"])
+                row[f"{name}_stall_causes"] = stall_causes(d)
             rows.append(row)
     return rows
 
@@ -137,7 +174,7 @@ def targets(rows: list) -> dict:
     rows = [r for r in rows if not r.get("control")]
     over = [r for r in rows if r["ratio"] > limit(r["bytes"])]
     worst = max(rows, key=lambda r: r["ratio"] / limit(r["bytes"]))
-    stalled = [r for r in rows if r["qcoll_stalls"]]
+    stalled_rows = [r for r in rows if r["qcoll_stalls"]]
     base = {(r["mode"], r["world"], r["dtype"], r["bytes"], r["collective"]): r["qcoll_per_call_s"]
             for r in rows if r["mode"] in BASE.values()}
     slow = []
@@ -152,15 +189,24 @@ def targets(rows: list) -> dict:
     return {
         "ratio": {"met": not over, "worst": round(worst["ratio"], 3), "worst_cell": cell(worst),
                   "over_limit": [f"{cell(r)}: {r['ratio']:.2f}" for r in over]},
-        "stalls": {"met": not stalled, "calls": sum(r["qcoll_stalls"] for r in rows),
+        "stalls": {"met": not stalled_rows, "calls": sum(r["qcoll_stalls"] for r in rows),
                    "torch_calls": sum(r["torch_stalls"] for r in rows),
-                   "cells": [f"{cell(r)}: {r['qcoll_stalls']}" for r in stalled]},
+                   "causes": _cause_totals(rows, "qcoll"), "torch_causes": _cause_totals(rows, "torch"),
+                   "cells": [f"{cell(r)}: {r['qcoll_stalls']}" for r in stalled_rows]},
         "threads": {"met": all(r["vs_2_threads"] <= 1.3 for r in slow),
                     "worst": round(worst_thread["vs_2_threads"], 3) if worst_thread else None,
                     "worst_cell": cell(worst_thread) if worst_thread else None,
                     "over_limit": [f"{cell(r)}: {r['vs_2_threads']:.2f}" for r in slow
                                    if r["vs_2_threads"] > 1.3]},
     }
+
+
+def _cause_totals(rows: list, side: str) -> dict:
+    totals = dict.fromkeys(STALL_CAUSES, 0)
+    for r in rows:
+        for cause, n in r.get(f"{side}_stall_causes", {}).items():
+            totals[cause] += n
+    return totals
 
 
 def table(result: dict) -> list:

@@ -81,3 +81,45 @@ def test_sizes_targets_leave_the_control_cells_out_and_report_their_band():
     rows[0]["ratio"] = 1.26  # over the 1.25 limit from 64 KB up
     assert sizes.targets(rows)["ratio"]["over_limit"] == ["allgather 1 MB fp32 2x2 2 threads: 1.26"]
     assert sizes.control([r for r in rows if not r["control"]]) == {}
+
+
+def test_sizes_puts_each_stalled_call_down_to_the_evidence_kept_for_it():
+    from suites import sizes
+
+    k = 4  # calls a block; 3 blocks; medians 2 ms, so a stall is above 22 ms
+    calls = [0.002] * 12
+    calls[1] = 0.060   # block 0: a full collection ran during it (and steal too: gc wins)
+    calls[4] = 0.050   # block 1, first call: delayed ACKs during it, no steal
+    calls[6] = 0.045   # block 1, not the first call: ACKs say nothing about it
+    calls[8] = 0.050   # block 2, first call, with steal in the block
+    calls[10] = 0.021  # above 3x the median but not the median + 20 ms: no stall
+    record = dict(calls_s=calls, calls_per_block=k, full_gc=[0.0, 1.0] + [0.0] * 10,
+                  block_steal_s=[0.02, 0.0, 0.01], first_call_delayed_acks=[0.0, 3.0, 2.0])
+    assert sizes.stalled(calls) == [1, 4, 6, 8]
+    assert sizes.stall_causes(record) == {"full_gc": 1, "steal": 1, "delayed_ack": 1, "unexplained": 1}
+    assert sizes.stall_causes({"calls_s": calls, "calls_per_block": k}) == {}  # an older result
+
+    rows = [dict(_row("allgather", 1 << 20, 1.0), qcoll_stalls=4, torch_stalls=0,
+                 qcoll_stall_causes=sizes.stall_causes(record), torch_stall_causes={})]
+    verdict = sizes.targets(rows)["stalls"]
+    assert not verdict["met"] and verdict["calls"] == 4
+    assert verdict["causes"] == {"full_gc": 1, "steal": 1, "delayed_ack": 1, "unexplained": 1}
+    assert verdict["torch_causes"] == dict.fromkeys(sizes.STALL_CAUSES, 0)
+
+
+def test_auto_names_each_cell_over_its_limit_beside_that_cells_control():
+    from suites import auto
+
+    def row(collective, ratio, control, errors=(0.1, 0.1)):
+        return dict(collective=collective, bytes=1 << 20, topology="2x2", link="1 Gbit/s",
+                    auto_vs_best_fixed=ratio, control_ratio=control,
+                    uncompressed_prediction_error=errors[0], quantized_prediction_error=errors[1])
+
+    rows = [row("allgather", 1.2, 1.15), row("all_reduce", 1.0, 0.9, errors=(0.1, -0.3)),
+            row("reduce_scatter", 1.05, 1.02)]
+    verdict = auto.targets({"rows": rows, "steps": []})
+    assert verdict["auto_within_1.1x"]["over"] == ["allgather 1 MB 2x2 1 Gbit/s: 1.20 (control 1.15)"]
+    assert not verdict["auto_within_1.1x"]["met"] and verdict["auto_within_1.1x"]["cells_over"] == 1
+    assert verdict["prediction_within_20pct"]["within"] == 5  # the -30% one is out
+    assert auto.control(rows) == {"cells": 3, "min": 0.9, "max": 1.15, "median": 1.02}
+    assert auto.control([{k: v for k, v in rows[0].items() if k != "control_ratio"}]) == {}  # older rows
