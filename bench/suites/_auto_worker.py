@@ -3,9 +3,11 @@
     python bench/suites/_auto_worker.py CONFIG.json RANK
 
 Probes the group's cost model (qcoll.cost_model, bounded by the config's probe budget),
-then per size and collective times three calls taking turns (_worker.Bench): the
-uncompressed one, the quantized one with the collective's default policy, and the same
-configuration with policy="auto"; next to each, the model's prediction for it. Rank 0
+then per size and collective times four calls taking turns (_worker.Bench, the config's
+calls_per_turn back to back for calls under 20 ms): the uncompressed one, the quantized one
+with the collective's default policy, the same configuration with policy="auto", and the
+quantized one again ("control": how far two identical calls measure apart in this cell);
+next to each, the model's prediction for it. Rank 0
 prints `PROGRESS done total` lines and writes the rows as JSON to the config's "out" path."""
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ FIXED = {
 
 
 def _calls(collective, group, size, dtype, rank, world) -> tuple:
-    """{impl: fn} for the three calls, and the numel the model's predict takes."""
+    """{impl: fn} for the four calls, and the numel the model's predict takes."""
     if collective == "allgather":
         n = max(1, size // (world * dtype.itemsize))
         shard, full = _values((rank, size, "ag"), n, dtype, "cpu"), torch.empty(world * n, dtype=dtype)
@@ -58,7 +60,8 @@ def _calls(collective, group, size, dtype, rank, world) -> tuple:
             return run
     fixed = FIXED[collective]
     fns = {"uncompressed": call(fixed["uncompressed"].kwargs()), "quantized": call(fixed["quantized"].kwargs()),
-           "auto": call(dict(fixed["quantized"].kwargs(), policy="auto"))}
+           "auto": call(dict(fixed["quantized"].kwargs(), policy="auto")),
+           "control": call(fixed["quantized"].kwargs())}
     return fns, numel
 
 
@@ -80,7 +83,7 @@ def main() -> None:
     for size in cfg["sizes"]:
         for collective in FIXED:
             fns, numel = _calls(collective, group, size, dtype, rank, world)
-            timed = b.time_interleaved(fns)
+            timed = b.time_interleaved(fns, calls_per_turn=cfg.get("calls_per_turn", 1))
             decision = [d for k, d in qcoll.auto.decisions(group).items() if k[0] == collective and k[1] == numel]
             row = {"collective": collective, "bytes": size, "numel": numel, "dtype": cfg["dtype"],
                    "auto_choice": decision[0]["choice"], "candidates_predicted_s": decision[0]["predicted_s"],

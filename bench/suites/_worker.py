@@ -81,12 +81,14 @@ class Bench:
     def time(self, fn) -> dict:
         return self.time_interleaved({"fn": fn})["fn"]
 
-    def time_interleaved(self, fns: dict) -> dict:
+    def time_interleaved(self, fns: dict, calls_per_turn: int = 1) -> dict:
         """For each fn: the median over repeats of the slowest rank's time, the node's egress
         bytes and this rank's page faults per call. The fns take turns (a, b, c, a, b, c,
         ...), so load from other jobs that comes and goes falls on all of them alike; calls
-        under 20 ms get 4x the repeats (the noisiest). Also the CPU that processes other than
-        the ranks used meanwhile, in cores ("other_cores"; /proc/stat is machine-wide)."""
+        under 20 ms get 4x the repeats (the noisiest), and each of their turns times
+        calls_per_turn calls back to back (a single small call is bimodal with more ranks
+        than cores; a turn's mean is not). Also the CPU that processes other than the ranks
+        used meanwhile, in cores ("other_cores"; /proc/stat is machine-wide)."""
         t0 = time.perf_counter()
         for _ in range(self.cfg["warmup"]):
             for fn in fns.values():
@@ -95,6 +97,7 @@ class Bench:
         per_round = (time.perf_counter() - t0) / max(1, self.cfg["warmup"])
         quick_calls = self.allsum([float(per_round < 0.02 * len(fns))], op=dist.ReduceOp.MIN)[0]
         repeats = self.cfg["repeats"] * (4 if quick_calls else 1)
+        per_turn = max(1, calls_per_turn) if quick_calls else 1
         times = {k: [] for k in fns}
         tx = dict.fromkeys(fns, 0)
         faults = dict.fromkeys(fns, 0)
@@ -106,9 +109,10 @@ class Bench:
                 self.sync()
                 tx0, f0 = _tx_bytes(self.iface), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 t0 = time.perf_counter()
-                fn()
+                for _ in range(per_turn):
+                    fn()
                 self.sync()
-                times[k].append(time.perf_counter() - t0)
+                times[k].append((time.perf_counter() - t0) / per_turn)
                 faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
                 if self.cfg.get("iface"):  # all ranks done sending: count the call's bytes
                     dist.barrier()
@@ -123,10 +127,10 @@ class Bench:
             slowest = self.allsum(times[k], op=dist.ReduceOp.MAX)
             per_node_tx = [0.0] * nodes
             if self.iface:
-                per_node_tx[self.rank // self.cfg["node_size"]] = tx[k] / repeats
+                per_node_tx[self.rank // self.cfg["node_size"]] = tx[k] / (repeats * per_turn)
             per_node_tx = self.allsum(per_node_tx)
             out[k] = {"time_s": statistics.median(slowest), "times_s": slowest,
-                      "page_faults_per_call": faults[k] / repeats, "other_cores": other}
+                      "page_faults_per_call": faults[k] / (repeats * per_turn), "other_cores": other}
             if self.cfg.get("iface"):
                 out[k]["wire_bytes_per_node"] = max(per_node_tx)  # the busiest uplink
                 out[k]["wire_bytes"] = sum(per_node_tx)

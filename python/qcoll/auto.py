@@ -101,8 +101,8 @@ def all_gather(call, output, input, group, policy, *, bits, group_size, async_op
     g = resolve_group(group)
     chosen = configured
     if configured.bits is not None and g.size > 1:
-        candidates = [dataclasses.replace(configured, bits=None), configured]
-        chosen = _decide("allgather", g, input.device, n, input.dtype, configured, candidates)
+        chosen = _decide("allgather", g, input.device, n, input.dtype, configured,
+                         lambda: [dataclasses.replace(configured, bits=None), configured])
     return call(output, input, g, async_op=async_op, **chosen.kwargs())
 
 
@@ -117,8 +117,8 @@ def delta_all_gather(call, full, shard, group, policy, *, bits, group_size, asyn
     g = resolve_group(group)
     chosen = configured
     if configured.bits is not None and g.size > 1:  # the new values themselves, or their differences
-        candidates = [dataclasses.replace(configured, bits=None), configured]
-        chosen = _decide("delta_allgather", g, shard.device, n, shard.dtype, configured, candidates)
+        chosen = _decide("delta_allgather", g, shard.device, n, shard.dtype, configured,
+                         lambda: [dataclasses.replace(configured, bits=None), configured])
     return call(full, shard, g, async_op=async_op, **chosen.kwargs())
 
 
@@ -134,11 +134,12 @@ def reduce_scatter(call, output, input, group, policy, *, async_op, error_feedba
     g = resolve_group(group)
     chosen = configured
     if not configured.unquantized and g.size > 1:
-        raw = dataclasses.replace(configured, intra_bits=None, inter_bits=None, pipeline_stages=1,
-                                  hierarchical=False, hadamard=False, hadamard_size=None)
-        paths = [configured.hierarchical] if configured.hierarchical is not None else [None, False]
-        candidates = [raw] + [dataclasses.replace(configured, hierarchical=h, pipeline_stages=s)
-                              for h in paths for s in _stages(configured.pipeline_stages)]
+        def candidates():
+            raw = dataclasses.replace(configured, intra_bits=None, inter_bits=None, pipeline_stages=1,
+                                      hierarchical=False, hadamard=False, hadamard_size=None)
+            paths = [configured.hierarchical] if configured.hierarchical is not None else [None, False]
+            return [raw] + [dataclasses.replace(configured, hierarchical=h, pipeline_stages=s)
+                            for h in paths for s in _stages(configured.pipeline_stages)]
         chosen = _decide("reduce_scatter", g, input.device, n, input.dtype, configured, candidates)
     return call(output, input, g, op=op, error_feedback=error_feedback, async_op=async_op, **chosen.kwargs())
 
@@ -155,10 +156,11 @@ def all_reduce(call, tensor, group, policy, *, op, error_feedback, async_op, **f
     g = resolve_group(group)
     chosen = configured
     if not (configured.bits is None and configured.inter_bits is None) and g.size > 1:
-        raw = dataclasses.replace(configured, bits=None, inter_bits=None, pipeline_stages=1)
-        paths = [False] if configured.hierarchical is False else [True, False]
-        candidates = [raw] + [dataclasses.replace(configured, hierarchical=h, pipeline_stages=s)
-                              for h in paths for s in _stages(configured.pipeline_stages)]
+        def candidates():
+            raw = dataclasses.replace(configured, bits=None, inter_bits=None, pipeline_stages=1)
+            paths = [False] if configured.hierarchical is False else [True, False]
+            return [raw] + [dataclasses.replace(configured, hierarchical=h, pipeline_stages=s)
+                            for h in paths for s in _stages(configured.pipeline_stages)]
         chosen = _decide("all_reduce", g, tensor.device, tensor.numel(), tensor.dtype, configured, candidates)
     return call(tensor, g, op=op, error_feedback=error_feedback, async_op=async_op, **chosen.kwargs())
 
@@ -190,15 +192,17 @@ def choose(times: list, configured: int) -> int:
     return best
 
 
-def _decide(kind: str, g, device, numel: int, dtype, configured, candidates: list):
+def _decide(kind: str, g, device, numel: int, dtype, configured, make_candidates):
     """The candidate to run by the group's cost model (choose: the fastest, unless the
     configured call is within KEEP_MARGIN of it). The first time a description is met the
     ranks compare it, before any other exchange; the choice is then a function of agreed
-    inputs only. Counted per choice."""
+    inputs only, kept for the later calls. Counted per choice. make_candidates() builds the
+    candidate policies, only when a description is new (tens of us a call otherwise)."""
     description = (kind, numel, str(dtype), device.type, repr(configured))
     decisions = _DECISIONS.setdefault(g, {})
     if description not in decisions:
         _agree(g, description, device)
+        candidates = make_candidates()
         model = cost_model(g, device=device)
         times = [model.predict(_MODEL_KIND[kind], numel, dtype, c).seconds for c in candidates]
         options = [(label(kind, c, model), t) for c, t in zip(candidates, times)]
