@@ -115,21 +115,27 @@ def test_unquantized_matches_fsdp2_default_step_by_step(world, node_size, precis
 
 
 # ---- quantized training -------------------------------------------------------------------
-def _convergence_worker(rank, world, steps):
-    out = {}
-    for mode in ("default", "qcoll"):
-        reshard = True if mode == "default" else 2
-        model = _build(mode, world, node_size=2, reshard=reshard, precision="bf16", shape=(32, 1, 64))
-        out[mode], _ = _train(model, steps, rank, world, lr=1e-2, per_rank=8)
+def _convergence_worker(rank, world, steps, seeds):
+    out = {"default": [], "qcoll": []}
+    for seed in seeds:
+        for mode in ("default", "qcoll"):
+            reshard = True if mode == "default" else 2
+            model = _build(mode, world, node_size=2, reshard=reshard, precision="bf16", shape=(32, 1, 64),
+                           seed=seed)
+            losses, _ = _train(model, steps, rank, world, lr=1e-2, per_rank=8)
+            out[mode].append(sum(losses[-20:]) / 20)
     return out
 
 
 def test_quantized_fsdp2_trains_within_2_percent_of_default():
-    steps, world = 80, 4
-    runs = run_ranks(world, _convergence_worker, steps, timeout=600)
-    tail = lambda losses: sum(losses[-20:]) / 20  # noqa: E731
-    default = sum(tail(r["default"]) for r in runs) / world
-    quantized = sum(tail(r["qcoll"]) for r in runs) / world
+    # Two initializations, averaged: one run's tail loss moves by a few percent with the
+    # host's bf16 arithmetic (a CPU with AVX512-BF16 put seed 0 alone 2.5% apart).
+    steps, world, seeds = 80, 4, (0, 1)
+    runs = run_ranks(world, _convergence_worker, steps, seeds, timeout=600)
+    default = sum(sum(r["default"]) for r in runs) / (world * len(seeds))
+    quantized = sum(sum(r["qcoll"]) for r in runs) / (world * len(seeds))
+    print(f"tail loss: default {default:.4f}, qcoll {quantized:.4f} "
+          f"(per seed, rank 0: {runs[0]['default']} / {runs[0]['qcoll']})")
     assert default < 0.7 * math.log(VOCAB)  # it learned (ln(vocab) = 2.56 at the start)
     assert abs(quantized - default) <= 0.02 * default, (quantized, default)
 
