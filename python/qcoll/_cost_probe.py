@@ -159,10 +159,10 @@ def _calibration_medians(collective: str, group, model: cm.CostModel, policies: 
 
 def _calibration(group, model: cm.CostModel, device: torch.device, deadline: float) -> dict:
     """"<collective>/<kind>" -> Calibration from whole calls (median of the timed ones, the
-    slowest rank's) at growing sizes: at least two, then until the slower kind's call takes
-    _CALIBRATION_TARGET_S, the next size would pass the cap, or the collective's share of
-    the time left to the deadline is spent (each its own share: the last one calibrated is
-    not left with what the others did not use up)."""
+    slowest rank's) at growing sizes until the collective's share of the time left to the
+    deadline is spent (each its own share: the last one calibrated is not left with what the
+    others did not use up), or, from the second size on, the slower kind's call takes
+    _CALIBRATION_TARGET_S or the next size would pass the cap."""
     out = {}
     for i, (collective, candidates) in enumerate(CALIBRATED.items()):
         until = time.monotonic() + max(0.0, deadline - time.monotonic()) / (len(CALIBRATED) - i)
@@ -176,7 +176,8 @@ def _calibration(group, model: cm.CostModel, device: torch.device, deadline: flo
         previous = None
         while True:
             estimates, measured = _calibration_medians(collective, group, model, policies, nbytes, device)
-            if previous is not None and any(t > _JUMP * 4 * p for t, p in zip(measured, previous)):
+            over = agreed_max(group, [float(time.monotonic() > until)], device)[0]
+            if not over and previous is not None and any(t > _JUMP * 4 * p for t, p in zip(measured, previous)):
                 # Far slower per byte than the size before: measured again, the faster kept.
                 # A lasting effect shows twice; a burst of other load on the host (seen
                 # once: 1.7x at 32 MB) does not, and a prediction runs through this point.
@@ -187,9 +188,10 @@ def _calibration(group, model: cm.CostModel, device: torch.device, deadline: flo
                 points[policy][0].append(e)
             for policy, t in zip(policies, measured):
                 points[policy][1].append(t)
-            over = agreed_max(group, [float(time.monotonic() > until)], device)[0]
+            # Two sizes make a segment, but not past the budget: out of time after the first,
+            # the kind keeps one point (a prediction scales the estimate through it).
             enough = len(points[policies[0]][0]) >= 2
-            if enough and (max(measured) >= cm._CALIBRATION_TARGET_S or 4 * nbytes > cm._CALIBRATION_MAX or over):
+            if over or (enough and (max(measured) >= cm._CALIBRATION_TARGET_S or 4 * nbytes > cm._CALIBRATION_MAX)):
                 break
             nbytes *= 4
         for policy, (estimates, measured) in points.items():

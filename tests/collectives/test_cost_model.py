@@ -168,6 +168,29 @@ def test_calibration_measures_a_jump_again_and_keeps_the_faster(monkeypatch):
         [b * 1e-9 * (2 if b >= 8 * mb else 1) for b in sizes])
 
 
+def test_calibration_stops_at_the_budget_with_one_point(monkeypatch):
+    # The budget spent before the calibration begins: each collective measures its first
+    # size once (no second size, no measuring again) and each kind keeps that one point,
+    # through which a prediction scales the estimate.
+    from qcoll import _cost_probe
+
+    seen = []
+
+    def medians(collective, group, model, policies, nbytes, device):
+        seen.append((collective, nbytes))
+        return [nbytes * 1e-10] * len(policies), [nbytes * 1e-9 * (1 + i) for i in range(len(policies))]
+
+    monkeypatch.setattr(_cost_probe, "_calibration_medians", medians)
+    monkeypatch.setattr(_cost_probe, "agreed_max", lambda group, values, device: values)
+    cal = _cost_probe._calibration(None, synthetic(), torch.device("cpu"), time.monotonic() - 1)
+    first = 2 << 20
+    assert seen == [("allgather", first), ("reduce_scatter", first), ("all_reduce", first)]
+    assert len(cal) == 2 + 3 + 3
+    for c in cal.values():
+        (e, m), = c.points
+        assert c.apply(4 * e) == pytest.approx(4 * m)
+
+
 def test_calibration_applies_per_collective_and_kind():
     cal = {"allgather/uncompressed": Calibration(0.001, 2.0), "all_reduce/quantized 2-hop": Calibration(0.0, 0.5),
            "reduce_scatter/quantized flat": Calibration(0.002, 1.5)}
