@@ -90,13 +90,6 @@ def test_dead_or_silent_peer_raises_within_the_timeout(when, async_op):
             elapsed, msg = results[rank][:2]
             assert "inter-node group" in msg and "Timed out" in msg, msg
             assert elapsed > TIMEOUT - 1, elapsed
-    if when == "stalls":
-        # Ranks 0 and 1 finished the intra-node hop and waited in the inter-node hop for a
-        # peer that never came: released by the group's timeout, not torch's 30 minutes.
-        for rank in (0, 1):
-            elapsed, msg = results[rank][:2]
-            assert "inter-node group" in msg and "Timed out" in msg, msg
-            assert elapsed > TIMEOUT - 1, elapsed
     if when == "during":
         # Rank 0's inter-node peer (rank 2) gave up in its intra-node hop: rank 0 waited in
         # the inter-node hop, and was released by the timeout, not by torch's 30 minutes.
