@@ -17,15 +17,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# gloo's all-gather is a ring of size - 1 steps, each waiting for the one before; the same
-# exchange posted at once as send/recv pairs (as gloo's own all-to-all does) ran at 0.35-0.55x
-# its time from 16 KB on 6 ranks and from 256 KB on 4, and 0.37x at 64 MB on 2 ranks, where
-# below 1 MB it was no faster (bench/results/probe-gloo-all-gather-p2p-cpu.txt).
-_PAIRWISE_MIN_RANKS = 3
-_PAIRWISE_MIN_BYTES = 1 << 20  # of the gathered output, on 2 ranks
-_PAIRWISE_TAG = 0x51C0  # qcoll owns the ProcessGroup; send/recv tags never meet a collective's
-
-
 class ProcessGroupTransport:
     """Exchanges over a ProcessGroup qcoll owns. `label` names the group in errors (for a
     2-hop call, which hop failed)."""
@@ -33,7 +24,6 @@ class ProcessGroupTransport:
     def __init__(self, pg, label: str):
         self.pg = pg
         self.size = dist.get_world_size(pg)
-        self.rank = dist.get_rank(pg)
         self.label = label
         self.is_nccl = dist.get_backend(pg) == "nccl"
         # The ProcessGroup's own methods where this torch has them (>= 2.9): the same
@@ -44,8 +34,6 @@ class ProcessGroupTransport:
             hasattr(c10d, o) for o in ("AllgatherOptions", "AllToAllOptions", "ReduceScatterOptions",
                                        "AllreduceOptions"))
         self._opts = {}
-        self._pairwise = not self.is_nccl and self.size > 1
-        self._peers = [((self.rank + i) % self.size, (self.rank - i) % self.size) for i in range(1, self.size)]
 
     def _options(self, kind, op=None):
         opts = self._opts.get((kind, op))
@@ -73,25 +61,12 @@ class ProcessGroupTransport:
     def all_gather(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
         send, recv = buffers.pair(send_id, send_off, nbytes, recv_id, recv_off, self.size * nbytes, nbytes)
         try:
-            if self._pairwise and (self.size >= _PAIRWISE_MIN_RANKS or self.size * nbytes >= _PAIRWISE_MIN_BYTES):
-                self._pairwise_all_gather(send, recv)
-            elif self._direct:
+            if self._direct:
                 self.pg.all_gather_single(recv, send, self._options(c10d.AllgatherOptions)).wait()
             else:
                 _all_gather(recv, send, group=self.pg)
         except Exception as exc:  # noqa: BLE001
             raise self._failed("all-gather", exc) from exc
-
-    def _pairwise_all_gather(self, send, recv):
-        """All-gather as one send and one receive per peer, all posted at once. A dead
-        peer's wait raises within the ProcessGroup's timeout; the receives left posted hold
-        their tensors until dropped, and gloo discards what reaches a dropped one."""
-        chunks = recv.view(self.size, -1)
-        works = [self.pg.recv([chunks[src]], src, _PAIRWISE_TAG) for _, src in self._peers]
-        works += [self.pg.send([send], dst, _PAIRWISE_TAG) for dst, _ in self._peers]
-        chunks[self.rank].copy_(send)
-        for work in works:
-            work.wait()
 
     def reduce_scatter(self, buffers, send_id, send_off, recv_id, recv_off, count, dtype_code, op):
         send = buffers.typed(send_id, send_off, self.size * count, dtype_code)
