@@ -34,7 +34,11 @@ from timing import human_bytes
 from . import _ranks, collectives, kernels, sizes
 
 FLOORS_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gate.json")
-TOLERANCE = 0.75  # fail below this fraction of a floor (after one retry)
+TOLERANCE = 0.75  # fail below this fraction of a floor (after the retries)
+# A busy host's steal can hold one cell below its floor twice running (CI's run of 61347aa:
+# quantize int8 SR bf16 at 68%, unchanged kernels that passed an hour before; 2 of 4 runs
+# failed that hour on one cell or two); a lasting loss stays below on every try.
+RETRIES = 2
 KERNEL_BYTES = 16 << 20  # past every core's L2; small enough to keep the gate under a minute
 COLLECTIVE_BYTES = [64 << 10, 4 << 20]
 COLLECTIVE_IMPLS = {"torch-via-qcoll": "bits=None", "qcoll": "quantized"}
@@ -167,12 +171,14 @@ def run(quick: bool, progress, update: bool = False, slow: str | None = None,
     floors = {c: f for c, f in load_floors(floors_path)["floors"].items() if _part_of(c) in parts}
     flat = {c: r for part in parts for c, r in measured[part].items()}
     verdict = compare(flat, floors)
-    slow_parts = {_part_of(c) for c, v in verdict["cells"].items() if v["status"] == "slow"}
-    for part in sorted(slow_parts):  # one retry of each part with a slow cell; keep the better
-        retried[part] = _measure(part, slow)
-        for cell, r in retried[part].items():
-            flat[cell] = max(flat.get(cell, 0.0), r)
-    if slow_parts:
+    for _ in range(RETRIES):  # the parts with a slow cell again, each cell keeping its best
+        slow_parts = {_part_of(c) for c, v in verdict["cells"].items() if v["status"] == "slow"}
+        for part in sorted(slow_parts):
+            retried[part] = _measure(part, slow)
+            for cell, r in retried[part].items():
+                flat[cell] = max(flat.get(cell, 0.0), r)
+        if not slow_parts:
+            break
         verdict = compare(flat, floors)
     failed = [c for c, v in verdict["cells"].items() if v["status"] != "ok"]
     return {"tolerance": TOLERANCE, "parts": parts, "retried": sorted(retried), "seconds": time.perf_counter() - t0,

@@ -51,7 +51,7 @@ def test_gate_refuses_other_thread_counts_than_its_floors():
 
 def test_gate_fails_on_a_deliberately_slowed_kernel():
     """qcoll.quantize doing its work four times: every quantize cell falls to about a quarter
-    of its floor, the gate retries, still fails, exits 1 and names them."""
+    of its floor, the gate retries (twice), still fails, exits 1 and names them."""
     proc = _run("gate", "--gate-parts", "kernels", "--slow", "quantize", timeout=300,
                 env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
