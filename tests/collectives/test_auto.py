@@ -24,24 +24,24 @@ from tests.collectives.test_cost_model import NODE_SIZE, synthetic
 N = 1 << 16  # elements per rank's part: 256 KB of fp32
 
 
-def _calls(g, rank, world):
-    """Every auto entry point once; returns (outputs, the same calls' fixed outputs for both
-    choices)."""
-    x = torch.randn(world * N, generator=torch.Generator().manual_seed(rank))
+def _calls(g, rank, world, device="cpu"):
+    """Every auto entry point once, on `device`; returns (outputs, the same calls' fixed
+    outputs for both choices)."""
+    x = torch.randn(world * N, generator=torch.Generator().manual_seed(rank)).to(device)
     mine = x[:N].clone()
     out = {}
     fixed = {}
-    out["ag"] = torch.empty(world * N)
+    out["ag"] = torch.empty(world * N, device=device)
     qcoll.quantized_allgather(out["ag"], mine, g, policy="auto")
     for bits in (None, 8):
-        fixed[("ag", bits)] = torch.empty(world * N)
+        fixed[("ag", bits)] = torch.empty(world * N, device=device)
         qcoll.quantized_allgather(fixed[("ag", bits)], mine, g, bits=bits)
-    out["rs"] = torch.empty(N)
+    out["rs"] = torch.empty(N, device=device)
     qcoll.quantized_reduce_scatter(out["rs"], x, g, policy="auto")
-    fixed[("rs", None)] = torch.empty(N)
+    fixed[("rs", None)] = torch.empty(N, device=device)
     qcoll.quantized_reduce_scatter(fixed[("rs", None)], x, g, intra_bits=None, inter_bits=None, hierarchical=False)
     for hier in (None, False):
-        fixed[("rs", hier, 8)] = torch.empty(N)
+        fixed[("rs", hier, 8)] = torch.empty(N, device=device)
         qcoll.quantized_reduce_scatter(fixed[("rs", hier, 8)], x, g, hierarchical=hier)
     out["ar"] = x.clone()
     qcoll.quantized_all_reduce(out["ar"], g, policy="auto")
@@ -51,7 +51,7 @@ def _calls(g, rank, world):
         for stages in (1, 2):
             fixed[("ar", hier, stages)] = x.clone()
             qcoll.quantized_all_reduce(fixed[("ar", hier, stages)], g, hierarchical=hier, pipeline_stages=stages)
-    full = torch.zeros(world * N)
+    full = torch.zeros(world * N, device=device)
     out["delta"] = full.clone()
     qcoll.delta_allgather(out["delta"], mine, g, policy="auto")
     for bits in (None, 4):
