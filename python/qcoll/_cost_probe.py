@@ -53,6 +53,38 @@ def _best_time(fn, device: torch.device) -> float:
     return min(_times(fn, device))
 
 
+# A kernel on a GPU: calls queued behind a sleep kernel of ~1 ms (a GPU's clock), longer
+# than the host takes to queue them.
+_QUEUED_CALLS = 8
+_SLEEP_CYCLES = 2_000_000
+
+
+def _kernel_time(fn, device: torch.device) -> float:
+    """Seconds of one kernel call. On a GPU, the device's time per call for calls queued
+    behind a sleep kernel and timed by CUDA events: a lone call timed on the host adds its
+    Python path (~30 us), which a collective, whose core launches the kernels itself, does
+    not pay. On an H100 the host clock rated a 4M-element copy at 172 Gelem/s, and at 76
+    behind 30 us of host work; queued, at 501 and 490 (374 past L2, at 64M):
+    bench/results/probe-kernel-timing-h100.json. On a CPU the host clock is the device's."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if device.type != "cuda" or sleep is None:
+        return _best_time(fn, device)
+    fn()  # warm-up
+    best = float("inf")
+    with torch.cuda.device(device):
+        for _ in range(cm._REPEATS):
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            sleep(_SLEEP_CYCLES)
+            start.record()
+            for _ in range(_QUEUED_CALLS):
+                fn()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3 / _QUEUED_CALLS)
+    return best
+
+
 def _link(group, tier, device: torch.device, deadline: float) -> cm.Link:
     """The tier's Link from raw all-gathers over `tier` (the node's or the column's group),
     which every rank of `group` runs at once: a tiny one (latency), then growing ones."""
@@ -81,11 +113,11 @@ def _kernel_times(fmt: str, n: int, device: torch.device) -> tuple:
     x = torch.randn(n, device=device)
     if fmt == cm.RAW:
         buf, acc = torch.empty_like(x), torch.zeros_like(x)
-        return (_best_time(lambda: buf.copy_(x), device), _best_time(lambda: acc.add_(x), device))
+        return (_kernel_time(lambda: buf.copy_(x), device), _kernel_time(lambda: acc.add_(x), device))
     q = quantize(x, bits=fmt)
     out = torch.empty_like(x)
-    return (_best_time(lambda: quantize(x, bits=fmt, out=q), device),
-            _best_time(lambda: dequantize(q, out=out), device))
+    return (_kernel_time(lambda: quantize(x, bits=fmt, out=q), device),
+            _kernel_time(lambda: dequantize(q, out=out), device))
 
 
 def _kernels(group, device: torch.device, deadline: float) -> dict:
