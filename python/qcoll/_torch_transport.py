@@ -5,6 +5,7 @@ by (buffer id, byte offset)."""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -16,13 +17,41 @@ _SUM, _AVG = _C.OPS["sum"], _C.OPS["avg"]  # the core's ReduceOp codes
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+# The all-gather's send buffer (the rank's bytes once per rank) is kept for the next call up
+# to this size; a larger one is allocated per call rather than held.
+_KEEP_REPLICAS_BYTES = 64 << 20
+# Over a group with ranks on several nodes and several per node, the all-to-all sends every
+# chunk across nodes from each rank (3 x 2: 8 chunks leave a node, against the ring's 5), so
+# it gathers that way only up to this size, where the ring's waits cost more than the extra
+# bytes even on a 1 Gbit/s link; past it, gloo's ring.
+ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES = 256 << 10
+
+
+def gathers_by_all_to_all(size: int, node_size: int, gathered_bytes: int) -> bool:
+    """Whether the gloo transport of a group of `size` ranks, `node_size` per node, gathers
+    `gathered_bytes` by the all-to-all (else gloo's ring all-gather)."""
+    spans_tiers = 1 < node_size < size
+    return not spans_tiers or gathered_bytes <= ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES
+
 
 class ProcessGroupTransport:
     """Exchanges over a ProcessGroup qcoll owns. `label` names the group in errors (for a
-    2-hop call, which hop failed)."""
+    2-hop call, which hop failed).
 
-    def __init__(self, pg, label: str):
+    gather_pg: a second ProcessGroup over the same ranks (gloo), for all-gathers. gloo's
+    all-gather is a ring of size - 1 steps, each waiting for the one before; its all-to-all
+    posts every pair at once, so the transport gathers by an all-to-all of its bytes sent to
+    every rank: 117-162 against 261-290 ms for 64 MB on 6 ranks, 0.7-0.8x from 1 KB on 4
+    (bench/results/probe-gloo-all-gather-a2a-cpu.txt); over nodes of several ranks, only up
+    to ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES (gathers_by_all_to_all). On the ProcessGroup of the other
+    exchanges it slowed the gloo all-reduces after it (1.03x -> 1.38-1.42x torch's at 4 MB on
+    2 x 2, like the send/recv pairs of abcf3d3; cause not found); on a group of its own it
+    does not."""
+
+    def __init__(self, pg, label: str, gather_pg=None, node_size: int = 1):
         self.pg = pg
+        self.gather_pg = gather_pg
+        self.node_size = node_size
         self.size = dist.get_world_size(pg)
         self.label = label
         self.is_nccl = dist.get_backend(pg) == "nccl"
@@ -34,6 +63,7 @@ class ProcessGroupTransport:
             hasattr(c10d, o) for o in ("AllgatherOptions", "AllToAllOptions", "ReduceScatterOptions",
                                        "AllreduceOptions"))
         self._opts = {}
+        self._replicas = None  # the all-gather's send buffer, kept for the next call
 
     def _options(self, kind, op=None):
         opts = self._opts.get((kind, op))
@@ -61,12 +91,31 @@ class ProcessGroupTransport:
     def all_gather(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
         send, recv = buffers.pair(send_id, send_off, nbytes, recv_id, recv_off, self.size * nbytes, nbytes)
         try:
-            if self._direct:
+            by_all_to_all = self.gather_pg is not None and gathers_by_all_to_all(
+                self.size, self.node_size, self.size * nbytes)
+            if by_all_to_all and self._direct:
+                self.gather_pg.all_to_all_single(recv, self._replicated(send), [], [],
+                                                 self._options(c10d.AllToAllOptions)).wait()
+            elif by_all_to_all:
+                dist.all_to_all_single(recv, self._replicated(send), group=self.gather_pg)
+            elif self._direct:
                 self.pg.all_gather_single(recv, send, self._options(c10d.AllgatherOptions)).wait()
             else:
                 _all_gather(recv, send, group=self.pg)
         except Exception as exc:  # noqa: BLE001
             raise self._failed("all-gather", exc) from exc
+
+    def _replicated(self, send):
+        """`send` once per rank, one after the other (the all-to-all's input)."""
+        nbytes = self.size * send.numel() * send.element_size()
+        buf = self._replicas
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            if nbytes <= _KEEP_REPLICAS_BYTES:
+                self._replicas = buf
+        rows = buf[:nbytes].view(send.dtype).view(self.size, -1)
+        rows.copy_(send.view(1, -1).expand(self.size, -1))
+        return rows.view(-1)
 
     def reduce_scatter(self, buffers, send_id, send_off, recv_id, recv_off, count, dtype_code, op):
         send = buffers.typed(send_id, send_off, self.size * count, dtype_code)

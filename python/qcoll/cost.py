@@ -48,6 +48,7 @@ from . import _C
 from ._runtime import call
 from ._formats import FORMATS, RAW_CODE, format_code, format_of
 from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy, unquantized_host_all_reduce
+from ._torch_transport import gathers_by_all_to_all
 
 RAW = "raw"  # the kernel-rate key of unquantized hops (copy to send, fp32 add to reduce)
 COLLECTIVES = ("allgather", "reduce_scatter", "all_reduce")
@@ -354,10 +355,14 @@ class CostModel:
         wire = format_code(bits, "bits")
         plan = _C.plan_all_gather(self.world, n, _dtype_code(dtype), wire, group_size, headers)
         fmt = format_of(wire)
-        # Both go through the transport's (ring) all-gather: raw values, or the encoded slots.
+        # Both go through the transport's all-gather: raw values, or the encoded slots; on
+        # CPU (gloo) an all-to-all where the transport gathers that way, else a ring.
         # Quantized: encode mine, decode all.
         kernel = 0.0 if fmt is None else self._kernel(fmt, n, self.world * n)
-        intra, inter = self._ring(plan.chunk)
+        if self.device == "cpu" and gathers_by_all_to_all(self.world, self.node_size, self.world * plan.chunk):
+            intra, inter = (peers * plan.chunk for peers in self._peers())
+        else:
+            intra, inter = self._ring(plan.chunk)
         return [(*self._exchange(intra, inter), kernel, intra, inter)]
 
     def _rs_plan(self, n: int, dtype, p: ReduceScatterPolicy, raw_exchange: bool = False):
@@ -393,17 +398,21 @@ class CostModel:
         return _pipeline(hops)
 
     def _all_reduce(self, numel: int, dtype, p: AllReducePolicy) -> list:
-        n = -(-numel // self.world)
         rs = p.reduce_scatter()
         raw_exchange = p.raw_exchange(dtype.itemsize)  # as all_reduce.py plans it
+        tail = []  # the last numel % world elements, reduced apart
         if p.unquantized and self.device == "cpu":
             if unquantized_host_all_reduce(dtype.itemsize, numel) == "transport":
                 dtype, raw_exchange = torch.float32, False  # its all-reduce of fp32 values
             else:
                 rs = dataclasses.replace(rs, hierarchical=False)
+                if numel % self.world:  # by the transport's all-reduce of fp32 copies
+                    tail = self._all_reduce(numel % self.world, torch.float32, p)
+                    numel -= numel % self.world
+        n = -(-numel // self.world)
         parts = self._reduce_scatter(n, dtype, rs, raw_exchange)
         gather = format_of(self._rs_plan(n, dtype, rs, raw_exchange).second_format)
-        return parts + self._all_gather(n, dtype, gather, p.group_size)
+        return parts + self._all_gather(n, dtype, gather, p.group_size) + tail
 
 
 def _pipeline(hops: list) -> list:

@@ -65,9 +65,14 @@ class Group:
         if self.size > 1 and _owned_pg is None:
             _owned_pg = _partition_groups([self.global_ranks], timeout)[0]
         self._owned_pg = _owned_pg
+        # gloo's all-gathers run on a ProcessGroup of their own (see ProcessGroupTransport).
+        self._gather_pg = None
+        if self.size > 1 and dist.get_backend(_owned_pg) != "nccl":
+            self._gather_pg = new_process_group(self.global_ranks, timeout)
         self._role = _role
         label = f"the {_role} (global ranks {self.global_ranks})"
-        transport = SelfTransport() if self.size == 1 else ProcessGroupTransport(_owned_pg, label)
+        transport = SelfTransport() if self.size == 1 else ProcessGroupTransport(
+            _owned_pg, label, self._gather_pg, node_size)
         local = [p // node_size == self.node for p in range(self.size)]
         self._torch_comm = _C.TorchCommunicator(self.rank, self.size, local, transport)
         self._nccl_comm = None
@@ -142,9 +147,10 @@ class Group:
 
                         comm, g._nccl_comm = g._nccl_comm, None
                         destroy_communicator(comm)
-                    if g._owned_pg is not None:
-                        dist.destroy_process_group(g._owned_pg)
-                        g._owned_pg = None
+                    for attr in ("_gather_pg", "_owned_pg"):
+                        if getattr(g, attr) is not None:
+                            dist.destroy_process_group(getattr(g, attr))
+                            setattr(g, attr, None)
         finally:
             # Only now, with the communicators' GPU work finished or aborted: the host waits
             # for the family's streams, then the memory of un-waited calls is dropped.

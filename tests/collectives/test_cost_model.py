@@ -58,12 +58,18 @@ def test_quantizing_pays_only_on_a_slow_link():
 
 def test_predicted_raw_all_gather_by_hand():
     m = synthetic(inter_gbit=1.0, intra_gbit=8.0, latency=1e-3)
-    p = m.predict("allgather", 1000, torch.float32, AllGatherPolicy(bits=None))
-    # The transport's ring over 2 nodes x 2: each rank's 4000-byte chunk (raw: no slot
-    # headers) passes 3 edges; per node one edge of its two crosses nodes.
-    assert (p.intra_bytes, p.inter_bytes) == (6000, 6000)
+    raw = AllGatherPolicy(bits=None)
+    # Up to its limit the transport's all-to-all over 2 nodes x 2: each rank's 4000-byte
+    # chunk (raw: no slot headers) to its one local and two remote peers.
+    p = m.predict("allgather", 1000, torch.float32, raw)
+    assert (p.intra_bytes, p.inter_bytes) == (4000, 8000)
     assert p.kernel_s == 0
-    assert p.seconds == pytest.approx(6000 / (8 * GBIT) + 6000 / GBIT + 1e-3)
+    assert p.seconds == pytest.approx(4000 / (8 * GBIT) + 8000 / GBIT + 1e-3)
+    # Past it the ring: each chunk passes 3 edges; per node one edge of its two crosses nodes.
+    n = 1 << 16  # 1 MB gathered
+    p = m.predict("allgather", n, torch.float32, raw)
+    assert (p.intra_bytes, p.inter_bytes) == (6 * n, 6 * n)
+    assert p.seconds == pytest.approx(6 * n / (8 * GBIT) + 6 * n / GBIT + 1e-3)
 
 
 def test_unquantized_bf16_all_reduce_predicted_on_the_path_it_takes():
