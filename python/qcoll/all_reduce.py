@@ -82,14 +82,19 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
                              group_size, stages, hierarchical, error_feedback is not None), tensor.device)
 
     raw_exchange = policy.raw_exchange(tensor.element_size())
+    numel = tensor.numel()
+    tail = 0  # last elements reduced by the transport's all-reduce instead of the exchange
     if (rs.unquantized and error_feedback is None and not on_gpu(tensor.device)
             and call.has_transport_all_reduce(g, tensor.device)):
-        if unquantized_host_all_reduce(tensor.element_size(), tensor.numel()) == "transport":
+        if unquantized_host_all_reduce(tensor.element_size(), numel) == "transport":
             return _transport_all_reduce(g, tensor, code, op_code, async_op)
         hierarchical = False  # the raw inputs straight to their owner
-
-    numel = tensor.numel()
-    n = -(-numel // size)  # shard elements; the tensor is padded to size * n
+        # A size that does not split into whole shards: its prefix that does is reduced in
+        # place and the last numel % size elements apart (fp32, rounded once too), rather
+        # than the tensor copied into a padded buffer and back, two passes over it that cost
+        # 548 against 341 ms for 64 MB of bf16 on 6 ranks (2 cores; torch's: 320).
+        tail = numel % size
+    n = -(-(numel - tail) // size)  # shard elements; the tensor less its tail is padded to size * n
     device = tensor.device
     reduce_scatter = ReduceScatter(g, n, code, op_code, rs.intra_code, rs.inter_code, group_size, stages,
                                    hierarchical, device, raw_exchange=raw_exchange)
@@ -107,19 +112,19 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
             residual_shard = ef.residual("shard", n, device)
     residual_inter = inter_residual(ef, rs_plan, device)
 
-    padded = size * n != numel  # then the reduce-scatter input is a padded copy
+    padded = size * n != numel - tail  # then the reduce-scatter input is a padded copy
     core_bytes = max(rs_plan.workspace_bytes, all_gather.plan.workspace_bytes)
-    workspace_bytes = core_bytes + 32 + (size * n + n) * tensor.element_size()
+    workspace_bytes = core_bytes + 48 + (size * n + n) * tensor.element_size() + 4 * tail
     flat = tensor.view(-1)
 
     def launch(ctx, workspace):
-        full, offset = flat, core_bytes
+        full, offset = flat[:numel - tail], core_bytes
         if padded:
             full, offset = carve(workspace, offset, size * n, tensor.dtype)
             full[:numel].copy_(flat)
             full[numel:].zero_()
-        shard, _ = carve(workspace, offset, n, tensor.dtype)
-        parts = (_C.Traffic(), _C.Traffic())
+        shard, offset = carve(workspace, offset, n, tensor.dtype)
+        parts = (_C.Traffic(), _C.Traffic(), _C.Traffic())
         try:
             if residual_in is not None:
                 compensate_first_hop(full, residual_in, rs_plan, group_size, size, n)
@@ -131,6 +136,11 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
                 keep_shard_residual(wanted, full[g.rank * n:(g.rank + 1) * n], residual_shard)
             if padded:
                 flat.copy_(full[:numel])
+            if tail:
+                values, _ = carve(workspace, offset, tail, torch.float32)
+                values.copy_(flat[numel - tail:])
+                transport_all_reduce(ctx, code, _F32, op_code, values, workspace, parts[2], -1, "none")
+                flat[numel - tail:].copy_(values)
         finally:
             _C.add_traffic(ctx.traffic, list(parts), "all_reduce")
 
