@@ -70,17 +70,22 @@ def _kernel_time(fn, device: torch.device) -> float:
     if device.type != "cuda" or sleep is None:
         return _best_time(fn, device)
     fn()  # warm-up
-    best = float("inf")
+    best, cycles = float("inf"), _SLEEP_CYCLES
     with torch.cuda.device(device):
         for _ in range(cm._REPEATS):
-            torch.cuda.synchronize(device)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            sleep(_SLEEP_CYCLES)
-            start.record()
-            for _ in range(_QUEUED_CALLS):
-                fn()
-            end.record()
-            end.synchronize()
+            for _ in range(4):  # a sleep that ended before the calls were all queued: 4x longer
+                torch.cuda.synchronize(device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                sleep(cycles)
+                start.record()
+                for _ in range(_QUEUED_CALLS):
+                    fn()
+                held = not start.query()  # the device had not reached the calls yet
+                end.record()
+                end.synchronize()
+                if held:
+                    break
+                cycles *= 4
             best = min(best, start.elapsed_time(end) / 1e3 / _QUEUED_CALLS)
     return best
 

@@ -91,8 +91,8 @@ class ProcessGroupTransport:
     def all_gather(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
         send, recv = buffers.pair(send_id, send_off, nbytes, recv_id, recv_off, self.size * nbytes, nbytes)
         try:
-            by_all_to_all = self.gather_pg is not None and gathers_by_all_to_all(
-                self.size, self.node_size, self.size * nbytes)
+            by_all_to_all = (self.gather_pg is not None and send.device.type == "cpu"
+                             and gathers_by_all_to_all(self.size, self.node_size, self.size * nbytes))
             if by_all_to_all and self._direct:
                 self.gather_pg.all_to_all_single(recv, self._replicated(send), [], [],
                                                  self._options(c10d.AllToAllOptions)).wait()

@@ -44,7 +44,8 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     "sum") over the ranks' tensors, computed in fp32, in the tensor's dtype.
 
     1. reduce-scatter (qcoll.quantized_reduce_scatter's algorithm) of the tensor, padded to
-       a multiple of the group size, into this rank's shard: across nodes the 2-hop path
+       a multiple of the group size (bits=None on CPU: the last numel % size elements apart,
+       by the transport's fp32 all-reduce), into this rank's shard: across nodes the 2-hop path
        (bits inside the node, `inter_bits or bits` across; hierarchical=False: one hop);
     2. all-gather of the shards at `inter_bits or bits` when the group spans nodes (bits on
        one node): every rank, the shard's owner too, decodes the same bytes, so the result

@@ -350,7 +350,8 @@ class CostModel:
         rate = self.kernels[fmt or RAW]
         return encode / rate.encode + decode / rate.decode
 
-    def _all_gather(self, n: int, dtype, bits, group_size) -> list:
+    def _all_gather(self, n: int, dtype, bits, group_size, ring: bool = False) -> list:
+        """ring: the transport's own all-reduce's gather half (gloo's ring whatever the size)."""
         headers = self.device == "cpu"
         wire = format_code(bits, "bits")
         plan = _C.plan_all_gather(self.world, n, _dtype_code(dtype), wire, group_size, headers)
@@ -359,7 +360,8 @@ class CostModel:
         # CPU (gloo) an all-to-all where the transport gathers that way, else a ring.
         # Quantized: encode mine, decode all.
         kernel = 0.0 if fmt is None else self._kernel(fmt, n, self.world * n)
-        if self.device == "cpu" and gathers_by_all_to_all(self.world, self.node_size, self.world * plan.chunk):
+        sent = n * dtype.itemsize if fmt is None else plan.chunk  # what the transport is handed
+        if not ring and self.device == "cpu" and gathers_by_all_to_all(self.world, self.node_size, self.world * sent):
             intra, inter = (peers * plan.chunk for peers in self._peers())
         else:
             intra, inter = self._ring(plan.chunk)
@@ -401,9 +403,10 @@ class CostModel:
         rs = p.reduce_scatter()
         raw_exchange = p.raw_exchange(dtype.itemsize)  # as all_reduce.py plans it
         tail = []  # the last numel % world elements, reduced apart
+        transport = False  # gloo's own all-reduce (its gather half a ring)
         if p.unquantized and self.device == "cpu":
             if unquantized_host_all_reduce(dtype.itemsize, numel) == "transport":
-                dtype, raw_exchange = torch.float32, False  # its all-reduce of fp32 values
+                dtype, raw_exchange, transport = torch.float32, False, True  # its all-reduce of fp32 values
             else:
                 rs = dataclasses.replace(rs, hierarchical=False)
                 if numel % self.world:  # by the transport's all-reduce of fp32 copies
@@ -412,7 +415,7 @@ class CostModel:
         n = -(-numel // self.world)
         parts = self._reduce_scatter(n, dtype, rs, raw_exchange)
         gather = format_of(self._rs_plan(n, dtype, rs, raw_exchange).second_format)
-        return parts + self._all_gather(n, dtype, gather, p.group_size) + tail
+        return parts + self._all_gather(n, dtype, gather, p.group_size, ring=transport) + tail
 
 
 def _pipeline(hops: list) -> list:

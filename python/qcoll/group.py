@@ -65,9 +65,10 @@ class Group:
         if self.size > 1 and _owned_pg is None:
             _owned_pg = _partition_groups([self.global_ranks], timeout)[0]
         self._owned_pg = _owned_pg
-        # gloo's all-gathers run on a ProcessGroup of their own (see ProcessGroupTransport).
+        # gloo's all-gathers of host tensors run on a ProcessGroup of their own (see
+        # ProcessGroupTransport); a backend="nccl" group moves no host tensors.
         self._gather_pg = None
-        if self.size > 1 and dist.get_backend(_owned_pg) != "nccl":
+        if self.size > 1 and backend != "nccl" and "gloo" in str(dist.get_backend(_owned_pg)):
             self._gather_pg = new_process_group(self.global_ranks, timeout)
         self._role = _role
         label = f"the {_role} (global ranks {self.global_ranks})"

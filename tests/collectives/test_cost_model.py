@@ -86,6 +86,37 @@ def test_unquantized_bf16_all_reduce_predicted_on_the_path_it_takes():
     assert p.kernel_s == pytest.approx(4 * (1 << 18) / 4e9)  # the fp32 add of 4 sources, no encode
 
 
+def test_transport_all_reduce_gathers_by_its_ring(monkeypatch):
+    """The transport's own all-reduce (fp32; bf16 below 1 MB) is gloo's, its gather half a
+    ring whatever size the transport's all-gather takes the all-to-all up to."""
+    from qcoll import _torch_transport
+
+    m = synthetic()
+    n = 1 << 14  # 64 KB of fp32
+    predicted = {}
+    for limit in (0, 1 << 40):
+        monkeypatch.setattr(_torch_transport, "ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES", limit)
+        ar = m.predict("all_reduce", n, torch.float32, AllReducePolicy(bits=None))
+        ag = m.predict("allgather", n // 4, torch.float32, AllGatherPolicy(bits=None))
+        predicted[limit] = ((ar.intra_bytes, ar.inter_bytes), (ag.intra_bytes, ag.inter_bytes))
+    assert predicted[0][0] == predicted[1 << 40][0]  # the all-reduce: the ring either way
+    assert predicted[0][1] == (3 * n // 2, 3 * n // 2)  # the all-gather: the ring past the limit,
+    assert predicted[1 << 40][1] == (n, 2 * n)  # the all-to-all within it
+
+
+def test_bits_none_all_reduce_tail_predicted_apart():
+    """From 1 MB a bf16 size that is not a multiple of the group size: the whole shards by
+    the exchange, the last numel % size elements by the transport's fp32 all-reduce."""
+    m = synthetic()
+    raw = AllReducePolicy(bits=None)
+    whole = m.predict("all_reduce", 1 << 20, torch.bfloat16, raw)
+    tail = m.predict("all_reduce", 3, torch.float32, raw)
+    both = m.predict("all_reduce", (1 << 20) + 3, torch.bfloat16, raw)
+    assert (both.intra_bytes, both.inter_bytes) == (whole.intra_bytes + tail.intra_bytes,
+                                                    whole.inter_bytes + tail.inter_bytes)
+    assert both.seconds == pytest.approx(whole.seconds + tail.seconds)
+
+
 def test_calibration_line_and_fallback():
     # Points on a line (measured = 2 ms + 3 x estimate): that line.
     c = Calibration.fit([0.001, 0.002, 0.004], [0.005, 0.008, 0.014])
