@@ -7,7 +7,8 @@ wraps it in qcoll.zero.ZeroEngine (the config's compute dtype, AdamW) on a qcoll
 per node, or shards it with PyTorch FSDP2 (a "fsdp2" entry: "default" or "qcoll"; see
 FSDP2Run), or replicates it with DDP (a "ddp" entry; see DDPRun), or trains it in one
 process on the whole global batch in fp32 (a "reference" entry, the fidelity suite's
-yardstick; see ReferenceRun), and trains `steps` steps on the same synthetic Markov data. Per step: the slowest
+yardstick; see ReferenceRun), and trains `steps` steps on the same synthetic Markov data (one configuration after another,
+or with "interleave" in the config all built first and stepped in turns). Per step: the slowest
 rank's time of forward + backward + step (after `warmup` steps), the bytes the engine sent
 to other nodes and within the node (engine.stats() deltas, mean per rank), and the loss.
 Per step and rank, engine.timings() splits the step's host time into waiting on
@@ -177,26 +178,33 @@ def _median_or_none(values: list):
     return None if any(math.isnan(v) for v in values) else statistics.median(values)
 
 
-def train(cfg: dict, rank: int, group, language, model_cfg, name: str, techniques: dict) -> dict:
-    world, node_size = cfg["world"], cfg["node_size"]
-    iface = cfg.get("iface") if rank % node_size == 0 else None
-    torch.manual_seed(cfg["seed"])
-    kind = (FSDP2Run if "fsdp2" in techniques else DDPRun if "ddp" in techniques
-            else ReferenceRun if "reference" in techniques else EngineRun)
-    run = kind(cfg, group, gpt.GPT(model_cfg), techniques)
-    times, inter, intra, wire, losses, phases = [], [], [], [], [], []
-    for step in range(cfg["steps"]):
-        x, y = language.batch(step, cfg["batch"] * world, cfg["seq"], seed=cfg["seed"])
+class Training:
+    """One configuration's run, stepped from outside (train() steps one configuration to
+    its end; main() may step several in turns), and its row."""
+
+    def __init__(self, cfg: dict, rank: int, group, language, model_cfg, name: str, techniques: dict):
+        self.cfg, self.rank, self.language, self.name, self.techniques = cfg, rank, language, name, techniques
+        self.iface = cfg.get("iface") if rank % cfg["node_size"] == 0 else None
+        torch.manual_seed(cfg["seed"])
+        kind = (FSDP2Run if "fsdp2" in techniques else DDPRun if "ddp" in techniques
+                else ReferenceRun if "reference" in techniques else EngineRun)
+        self.run = kind(cfg, group, gpt.GPT(model_cfg), techniques)
+        self.times, self.inter, self.intra, self.wire, self.losses, self.phases = [], [], [], [], [], []
+        self.loop = None
+
+    def step(self, step: int) -> None:
+        cfg, run, world, rank = self.cfg, self.run, self.cfg["world"], self.rank
+        x, y = self.language.batch(step, cfg["batch"] * world, cfg["seq"], seed=cfg["seed"])
         run.global_batch = (x, y)
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         before, t_before = run.traffic(), run.timings()
         dist.barrier()
-        tx0 = _tx_bytes(iface)
+        tx0 = _tx_bytes(self.iface)
         t0 = time.perf_counter()
         loss = run.step(x, y)
         dt = time.perf_counter() - t0
         dist.barrier()  # every rank done sending: the step's bytes left the veth
-        tx = _tx_bytes(iface) - tx0
+        tx = _tx_bytes(self.iface) - tx0
         after, t_after = run.traffic(), run.timings()
         # A phase the run cannot time (FSDP2's collectives) is NaN; compute is the rest.
         spent = {k: t_after[k] - t_before[k] if k in t_after else math.nan
@@ -204,47 +212,82 @@ def train(cfg: dict, rank: int, group, language, model_cfg, name: str, technique
         spent["compute"] = dt - sum(v for v in spent.values() if not math.isnan(v))
         p = torch.tensor([spent[k] for k in PHASES], dtype=torch.float64)
         dist.all_reduce(p)
-        phases.append((p / world).tolist())
+        self.phases.append((p / world).tolist())
         d_inter, d_intra = after[0] - before[0], after[1] - before[1]
         t = torch.tensor([dt, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
         dist.all_reduce(t[:1], op=dist.ReduceOp.MAX)  # the slowest rank's step
         s = torch.tensor([float(d_inter), float(d_intra), float(loss.item()), float(tx)], dtype=torch.float64)
         dist.all_reduce(s)
-        times.append(float(t[0]))
-        inter.append(float(s[0]) / world)
-        intra.append(float(s[1]) / world)
-        losses.append(float(s[2]) / world)
-        wire.append(float(s[3]) / (world // node_size))  # per node
-    loop = None
-    if cfg.get("loop_steps"):
-        # Steps back to back, no bookkeeping between them, timed as one: work a step leaves
-        # in flight (stage 2's overlap_publish) is inside the window, not in an untimed gap.
+        self.times.append(float(t[0]))
+        self.inter.append(float(s[0]) / world)
+        self.intra.append(float(s[1]) / world)
+        self.losses.append(float(s[2]) / world)
+        self.wire.append(float(s[3]) / (world // cfg["node_size"]))  # per node
+
+    def loop_steps(self) -> None:
+        """Steps back to back, no bookkeeping between them, timed as one: work a step leaves
+        in flight (stage 2's overlap_publish) is inside the window, not in an untimed gap."""
+        cfg, run, world, rank = self.cfg, self.run, self.cfg["world"], self.rank
         dist.barrier()
         t0 = time.perf_counter()
         for step in range(cfg["steps"], cfg["steps"] + cfg["loop_steps"]):
-            x, y = language.batch(step, cfg["batch"] * world, cfg["seq"], seed=cfg["seed"])
+            x, y = self.language.batch(step, cfg["batch"] * world, cfg["seq"], seed=cfg["seed"])
             run.global_batch = (x, y)
             run.step(x.chunk(world)[rank], y.chunk(world)[rank])
         getattr(run, "settle", lambda: None)()
         t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        loop = float(t[0]) / cfg["loop_steps"]
-    w = cfg["warmup"]
-    timed = times[w:] or times
-    tail, long_tail = min(5, len(losses)), min(cfg.get("loss_tail", 5), len(losses))
-    row = {"config": name, **techniques, "steps": cfg["steps"], "warmup": w,
-           "step_time_s": statistics.median(timed), "step_times_s": timed,
-           "phase_s": {k: _median_or_none([ph[i] for ph in (phases[w:] or phases)]) for i, k in enumerate(PHASES)},
-           "inter_bytes_per_rank": statistics.mean(inter[1:] or inter),
-           "intra_bytes_per_rank": statistics.mean(intra[1:] or intra),
-           "loss_first": losses[0], "loss_final": losses[-1],
-           "loss_final_mean5": sum(losses[-tail:]) / tail, "loss_tail": long_tail,
-           "loss_tail_mean": sum(losses[-long_tail:]) / long_tail, "losses": losses}
-    if cfg.get("iface"):
-        row["wire_bytes_per_node"] = statistics.mean(wire[1:] or wire)
-    if loop is not None:
-        row["loop_steps"], row["loop_step_time_s"] = cfg["loop_steps"], loop
-    return row
+        self.loop = float(t[0]) / cfg["loop_steps"]
+
+    def row(self) -> dict:
+        cfg, losses, w = self.cfg, self.losses, self.cfg["warmup"]
+        timed = self.times[w:] or self.times
+        tail, long_tail = min(5, len(losses)), min(cfg.get("loss_tail", 5), len(losses))
+        row = {"config": self.name, **self.techniques, "steps": cfg["steps"], "warmup": w,
+               "step_time_s": statistics.median(timed), "step_times_s": timed,
+               "phase_s": {k: _median_or_none([ph[i] for ph in (self.phases[w:] or self.phases)])
+                           for i, k in enumerate(PHASES)},
+               "inter_bytes_per_rank": statistics.mean(self.inter[1:] or self.inter),
+               "intra_bytes_per_rank": statistics.mean(self.intra[1:] or self.intra),
+               "loss_first": losses[0], "loss_final": losses[-1],
+               "loss_final_mean5": sum(losses[-tail:]) / tail, "loss_tail": long_tail,
+               "loss_tail_mean": sum(losses[-long_tail:]) / long_tail, "losses": losses}
+        if cfg.get("iface"):
+            row["wire_bytes_per_node"] = statistics.mean(self.wire[1:] or self.wire)
+        if self.loop is not None:
+            row["loop_steps"], row["loop_step_time_s"] = cfg["loop_steps"], self.loop
+        return row
+
+
+def train(cfg: dict, rank: int, group, language, model_cfg, name: str, techniques: dict) -> dict:
+    training = Training(cfg, rank, group, language, model_cfg, name, techniques)
+    for step in range(cfg["steps"]):
+        training.step(step)
+    if cfg.get("loop_steps"):
+        training.loop_steps()
+    return training.row()
+
+
+def train_in_turns(cfg: dict, rank: int, group, language, model_cfg) -> list:
+    """Every configuration built first, then stepped in turns (A, B, C, A, B, C, ...): load
+    from other jobs that comes and goes on a shared host falls on all of them alike, where
+    one configuration after another lets a drift land on one (the auto suite's ZeRO++ auto
+    steps ran 0.30 s in their first half and 0.36 s in their second, the config before it
+    0.32 s throughout). Only for runs that keep their own counters (EngineRun, ReferenceRun):
+    FSDP2Run and DDPRun read qcoll.stats(), which they share."""
+    if any("fsdp2" in techniques or "ddp" in techniques for _, techniques in cfg["configs"]):
+        raise ValueError("interleave: FSDP2 and DDP runs share qcoll.stats() and must run one after another")
+    trainings = [Training(cfg, rank, group, language, model_cfg, name, techniques)
+                 for name, techniques in cfg["configs"]]
+    for step in range(cfg["steps"]):
+        for training in trainings:
+            training.step(step)
+        if rank == 0:
+            print(f"PROGRESS {step + 1} {cfg['steps']}", flush=True)
+    for training in trainings:
+        if cfg.get("loop_steps"):
+            training.loop_steps()
+    return [training.row() for training in trainings]
 
 
 def main() -> None:
@@ -259,11 +302,14 @@ def main() -> None:
     model_cfg = gpt.GPTConfig(vocab_size=m["vocab"], block_size=cfg["seq"], n_layer=m["layers"],
                               n_head=m["heads"], d_model=m["d_model"], tie_weights=True)
     language = gpt.MarkovLanguage(m["vocab"], seed=cfg["seed"])
-    rows = []
-    for i, (name, techniques) in enumerate(cfg["configs"]):
-        rows.append(train(cfg, rank, group, language, model_cfg, name, techniques))
-        if rank == 0:
-            print(f"PROGRESS {i + 1} {len(cfg['configs'])}", flush=True)
+    if cfg.get("interleave"):
+        rows = train_in_turns(cfg, rank, group, language, model_cfg)
+    else:
+        rows = []
+        for i, (name, techniques) in enumerate(cfg["configs"]):
+            rows.append(train(cfg, rank, group, language, model_cfg, name, techniques))
+            if rank == 0:
+                print(f"PROGRESS {i + 1} {len(cfg['configs'])}", flush=True)
     if rank == 0:
         n_params = sum(p.numel() for p in gpt.GPT(model_cfg).parameters())
         with open(cfg["out"], "w") as f:

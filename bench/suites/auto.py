@@ -111,7 +111,7 @@ def control(rows: list) -> dict:
 
 def _step(cluster, gbit, quick: bool) -> dict:
     cfg = zero.config(quick, link=True, dtype="fp32")
-    cfg.update(configs=STEP_CONFIGS, iface=_netns.IFACE)
+    cfg.update(configs=STEP_CONFIGS, iface=_netns.IFACE, interleave=True)  # steps in turns: a drift falls on all
     out = _ranks.launch(cfg, prefix=lambda r: cluster.exec_prefix(r // zero.NODE_SIZE),
                         env=lambda r: {"GLOO_SOCKET_IFNAME": _netns.IFACE, "QCOLL_HOST_ID": f"node{r // zero.NODE_SIZE}"},
                         timeout=3600, worker=zero.WORKER)
