@@ -80,8 +80,9 @@ def test_every_rank_lands_at_its_offset(world):
             assert kept == world * small * 4, (numel, dtype, kept)
 
 
-def test_over_nodes_of_several_ranks_large_gathers_take_the_ring():
-    world, node_size = 4, 2
+@pytest.mark.parametrize("world", [4, 6])  # 2 and 3 nodes of 2 ranks
+def test_over_nodes_of_several_ranks_large_gathers_take_the_ring(world):
+    node_size = 2
     small, large = 1000, tt.ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES // 4 // world + 17
     results = run_ranks(world, _gather, [small, large], 64 << 20, node_size, timeout=120)
     for out, _ in results:
