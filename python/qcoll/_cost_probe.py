@@ -29,6 +29,27 @@ def agreed_max(group, values: list, device: torch.device) -> list:
     return t.tolist()
 
 
+# A calibration point more than this much slower per byte than the one before is measured
+# again (sizes grow 4x; a real call's time per byte grows far less between them).
+_JUMP = 1.5
+# A collective's next size is measured only if it ends before the deadline, forecast as its
+# last size's time x _GROWTH: 4x the bytes, up to _JUMP slower per byte (3 x 2 loopback,
+# 8 -> 32 MB: 5.7-6.3x with the warm-up and the inputs' setup).
+_GROWTH = 4 * _JUMP
+# Timed calls per kind at a size where a call should take _LONG_CALL_S or more (4x the size
+# before's slowest median): such calls are not bimodal, and at 7 the 32 MB sizes took most
+# of the budget. (With this threshold at 0.1 s the 8 MB points at 1 Gbit/s were medians of
+# 3, and in that run two kinds' points crossed: auto-cpu-probe-rounds-v1.json.)
+_LONG_CALL_S = 0.25
+_LONG_CALL_REPEATS = 3
+
+
+def _fits(group, device: torch.device, deadline: float, forecast_s: float) -> bool:
+    """Whether `forecast_s` more ends before the deadline on every rank (agreed)."""
+    late = float(time.monotonic() + forecast_s > deadline)
+    return not agreed_max(group, [late], device)[0]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -104,10 +125,10 @@ def _link(group, tier, device: torch.device, deadline: float) -> cm.Link:
     latency = gather_time(cm._LATENCY_BYTES)
     nbytes = cm._START_BYTES
     while True:
+        t0 = time.monotonic()
         t = gather_time(nbytes)
-        # The deadline is compared on the agreed time, so every rank stops at the same size.
-        over = agreed_max(group, [float(time.monotonic() > deadline)], device)[0]
-        if t >= cm._TARGET_S or nbytes >= cm._MAX_BYTES or over:
+        if t >= cm._TARGET_S or nbytes >= cm._MAX_BYTES \
+                or not _fits(group, device, deadline, (time.monotonic() - t0) * _GROWTH):
             break
         nbytes *= 4
     sent = (tier.size - 1) * nbytes
@@ -128,12 +149,13 @@ def _kernel_times(fmt: str, n: int, device: torch.device) -> tuple:
 def _kernels(group, device: torch.device, deadline: float) -> dict:
     n = cm._KERNEL_START
     while True:
+        t0 = time.monotonic()
         times = []
         for fmt in cm._PROBE_FORMATS:
             times += _kernel_times(fmt, n, device)
         times = agreed_max(group, times, device)
-        over = agreed_max(group, [float(time.monotonic() > deadline)], device)[0]
-        if min(times) * 20 >= cm._TARGET_S or n >= cm._KERNEL_MAX or over:
+        if min(times) * 20 >= cm._TARGET_S or n >= cm._KERNEL_MAX \
+                or not _fits(group, device, deadline, (time.monotonic() - t0) * _GROWTH):
             break
         n *= 4
     return {fmt: cm.KernelRate(encode=n / times[2 * i], decode=n / times[2 * i + 1])
@@ -176,63 +198,87 @@ def _collective_call(collective: str, group, total_bytes: int, policy, device: t
     return all_reduce, world * per_rank
 
 
-# A calibration point more than this much slower per byte than the one before is measured
-# again (sizes grow 4x; a real call's time per byte grows far less between them).
-_JUMP = 1.5
-
-
 def _calibration_medians(collective: str, group, model: cm.CostModel, policies: list, nbytes: int,
-                         device: torch.device) -> tuple:
+                         device: torch.device, repeats: int) -> tuple:
     """(estimates, measured): per policy, the model's estimate of a call of `nbytes` and
-    the median of _CALIBRATION_REPEATS timed calls, the slowest rank's."""
+    the median of `repeats` timed calls, the slowest rank's."""
     estimates, measured = [], []
     for policy in policies:
         fn, numel = _collective_call(collective, group, nbytes, policy, device)
-        times = sorted(_times(fn, device, cm._CALIBRATION_REPEATS))
+        times = sorted(_times(fn, device, repeats))
         measured.append(times[len(times) // 2])
         estimates.append(model.estimate(collective, numel, cm._CALIBRATION_DTYPE, policy).seconds)
     return estimates, agreed_max(group, measured, device)
 
 
+@dataclasses.dataclass
+class _Series:
+    """One collective's calibration so far: its kinds' policies, their points, and the time
+    its last size took (this rank's clock: a forecast, agreed through _fits)."""
+
+    policies: list
+    estimates: list = dataclasses.field(default_factory=list)  # per size, per policy
+    measured: list = dataclasses.field(default_factory=list)
+    step_s: float = 0.0
+    step_repeats: int = 0
+
+    def forecast_s(self) -> float:
+        """The next size's time: the last's, x _GROWTH, per call measured (warm-up included)."""
+        return self.step_s * _GROWTH * (self.repeats() + 1) / (self.step_repeats + 1)
+
+    def repeats(self) -> int:
+        long = self.measured and 4 * max(self.measured[-1]) >= _LONG_CALL_S
+        return _LONG_CALL_REPEATS if long else cm._CALIBRATION_REPEATS
+
+    def done(self, nbytes: int) -> bool:
+        """Two sizes (a segment) and the slower kind's call took the target, or the cap."""
+        return len(self.measured) >= 2 and (max(self.measured[-1]) >= cm._CALIBRATION_TARGET_S
+                                            or 4 * nbytes > cm._CALIBRATION_MAX)
+
+
 def _calibration(group, model: cm.CostModel, device: torch.device, deadline: float) -> dict:
     """"<collective>/<kind>" -> Calibration from whole calls (median of the timed ones, the
-    slowest rank's) at growing sizes until the collective's share of the time left to the
-    deadline is spent (each its own share: the last one calibrated is not left with what the
-    others did not use up), or, from the second size on, the slower kind's call takes
-    _CALIBRATION_TARGET_S or the next size would pass the cap."""
-    out = {}
-    for i, (collective, candidates) in enumerate(CALIBRATED.items()):
-        until = time.monotonic() + max(0.0, deadline - time.monotonic()) / (len(CALIBRATED) - i)
-        # One call per kind: on a group without two tiers both paths are the flat one.
-        kinds = {}
+    slowest rank's) at sizes growing 4x, in rounds: every collective still going has its
+    turn at a size before any measures the next, so the budget is not spent on one
+    collective's large sizes while another has a single point. The first size is always
+    measured (one point per kind); a later one only if its forecast ends before the
+    deadline (so, the forecast holding, the calibration ends within it once past its first
+    size). A collective stops once it has two sizes and the slower kind's call takes
+    _CALIBRATION_TARGET_S, or the next size would pass the cap."""
+    series = {}
+    for collective, candidates in CALIBRATED.items():
+        kinds = {}  # one call per kind: on a group without two tiers both paths are the flat one
         for policy in candidates:
             kinds.setdefault(model.kind(collective, policy), policy)
-        policies = list(kinds.values())
-        points = {policy: ([], []) for policy in policies}
-        nbytes = cm._CALIBRATION_START
-        previous = None
-        while True:
-            estimates, measured = _calibration_medians(collective, group, model, policies, nbytes, device)
-            over = agreed_max(group, [float(time.monotonic() > until)], device)[0]
-            if not over and previous is not None and any(t > _JUMP * 4 * p for t, p in zip(measured, previous)):
+        series[collective] = _Series(list(kinds.values()))
+    active, nbytes = list(series), cm._CALIBRATION_START
+    while active:
+        for collective in list(active):
+            s = series[collective]
+            if s.measured and not _fits(group, device, deadline, s.forecast_s()):
+                active.remove(collective)
+                continue
+            t0 = time.monotonic()
+            repeats = s.repeats()
+            estimates, measured = _calibration_medians(collective, group, model, s.policies, nbytes, device, repeats)
+            s.step_s, s.step_repeats = time.monotonic() - t0, repeats
+            if s.measured and any(t > _JUMP * 4 * p for t, p in zip(measured, s.measured[-1])) \
+                    and _fits(group, device, deadline, s.step_s):
                 # Far slower per byte than the size before: measured again, the faster kept.
                 # A lasting effect shows twice; a burst of other load on the host (seen
                 # once: 1.7x at 32 MB) does not, and a prediction runs through this point.
-                again = _calibration_medians(collective, group, model, policies, nbytes, device)[1]
+                again = _calibration_medians(collective, group, model, s.policies, nbytes, device, repeats)[1]
                 measured = [min(a, b) for a, b in zip(measured, again)]
-            previous = measured
-            for policy, e in zip(policies, estimates):
-                points[policy][0].append(e)
-            for policy, t in zip(policies, measured):
-                points[policy][1].append(t)
-            # Two sizes make a segment, but not past the budget: out of time after the first,
-            # the kind keeps one point (a prediction scales the estimate through it).
-            enough = len(points[policies[0]][0]) >= 2
-            if over or (enough and (max(measured) >= cm._CALIBRATION_TARGET_S or 4 * nbytes > cm._CALIBRATION_MAX)):
-                break
-            nbytes *= 4
-        for policy, (estimates, measured) in points.items():
-            out[f"{collective}/{model.kind(collective, policy)}"] = cm.Calibration.fit(estimates, measured)
+            s.estimates.append(estimates)
+            s.measured.append(measured)
+            if s.done(nbytes):
+                active.remove(collective)
+        nbytes *= 4
+    out = {}
+    for collective, s in series.items():
+        for i, policy in enumerate(s.policies):
+            out[f"{collective}/{model.kind(collective, policy)}"] = cm.Calibration.fit(
+                [e[i] for e in s.estimates], [m[i] for m in s.measured])
     return out
 
 

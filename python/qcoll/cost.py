@@ -23,11 +23,14 @@ measured points (model's estimate -> measured time): a prediction runs through t
 Models given without calibration use the rates alone.
 
 The probe is bounded: each measure grows its size by 4x from a small start and stops once a
-call takes `target_s` or the size cap is reached, and the whole probe stops growing sizes
-once `budget_s` is spent. Every time measured is reduced to the slowest rank's (all-reduce
-MAX) before it becomes a rate, so every rank holds the identical model; a model given by the
-user or loaded from a file is compared across ranks when it is installed, and a rank that
-holds another raises on every rank.
+call takes its target time or the size cap is reached, and a next size is measured only
+if its forecast (the size before's time, x 6 for 4x the bytes, per timed call) ends within
+`budget_s` (the rates get the first half, the calibration the rest; each measure's first
+size always runs).
+Every time measured is reduced to the slowest rank's (all-reduce MAX) before it becomes a
+rate, so every rank holds the identical model; a model given by the user or loaded from a
+file is compared across ranks when it is installed, and a rank that holds another raises
+on every rank.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ COLLECTIVES = ("allgather", "reduce_scatter", "all_reduce")
 _PROBE_FORMATS = tuple(FORMATS) + (RAW,)
 _MIN_STAGE_BYTES = _C.MIN_PIPELINE_STAGE_BYTES
 # Probe bounds: sizes (bytes per rank's chunk; elements for kernels) start small and grow 4x
-# until one call takes TARGET_S, capped; the whole probe stops growing past BUDGET_S.
+# until one call takes TARGET_S, capped; a next size runs only if its forecast ends within
+# the probe's budget (BUDGET_S by default; _cost_probe._fits).
 _LATENCY_BYTES = 256
 _START_BYTES, _MAX_BYTES = 64 << 10, 16 << 20
 _KERNEL_START, _KERNEL_MAX = 1 << 16, 1 << 22

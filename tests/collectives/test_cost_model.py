@@ -179,7 +179,7 @@ def test_calibration_measures_a_jump_again_and_keeps_the_faster(monkeypatch):
 
     seen = []
 
-    def medians(collective, group, model, policies, nbytes, device):
+    def medians(collective, group, model, policies, nbytes, device, repeats):
         seen.append((collective, nbytes))
         t = nbytes * 1e-9
         if collective == "allgather" and nbytes == 8 << 20 and seen.count(("allgather", 8 << 20)) == 1:
@@ -195,9 +195,11 @@ def test_calibration_measures_a_jump_again_and_keeps_the_faster(monkeypatch):
     cal = _cost_probe._calibration(None, synthetic(), torch.device("cpu"), time.monotonic() + 60)
     mb = 1 << 20
     sizes = [2 * mb, 8 * mb, 32 * mb]  # 4x from 2 MB, the next (128 MB) past the cap
-    assert seen == ([("allgather", b) for b in sizes[:2]] + [("allgather", b) for b in sizes[1:]]
-                    + [("reduce_scatter", b) for b in sizes[:2]] + [("reduce_scatter", b) for b in sizes[1:]]
-                    + [("all_reduce", b) for b in sizes[:2]] + [("all_reduce", b) for b in sizes[1:]])
+    # In rounds: every collective measures a size before any measures the next; a jump twice.
+    assert seen == ([(c, sizes[0]) for c in ("allgather", "reduce_scatter", "all_reduce")]
+                    + [(c, sizes[1]) for c in ("allgather", "allgather", "reduce_scatter", "reduce_scatter",
+                                               "all_reduce", "all_reduce")]
+                    + [(c, sizes[2]) for c in ("allgather", "reduce_scatter", "all_reduce")])
     assert [m for _, m in cal["allgather/uncompressed"].points] == pytest.approx([b * 1e-9 for b in sizes])
     assert [m for _, m in cal["reduce_scatter/uncompressed"].points] == pytest.approx(
         [b * 1e-9 * (7 if b == 8 * mb else 1) for b in sizes])
@@ -213,7 +215,7 @@ def test_calibration_stops_at_the_budget_with_one_point(monkeypatch):
 
     seen = []
 
-    def medians(collective, group, model, policies, nbytes, device):
+    def medians(collective, group, model, policies, nbytes, device, repeats):
         seen.append((collective, nbytes))
         return [nbytes * 1e-10] * len(policies), [nbytes * 1e-9 * (1 + i) for i in range(len(policies))]
 
@@ -226,6 +228,90 @@ def test_calibration_stops_at_the_budget_with_one_point(monkeypatch):
     for c in cal.values():
         (e, m), = c.points
         assert c.apply(4 * e) == pytest.approx(4 * m)
+
+
+class _Clock:
+    """A monotonic clock that the scripted calibration calls advance."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+
+def _scripted_calibration(monkeypatch, budget, slower=lambda collective, nbytes: 1):
+    """The calibration over scripted calls of 10 ns per byte (2 MB: 21 ms, 8 MB: 84 ms,
+    32 MB: 336 ms; x slower(collective, bytes)), each size's warm-up and timed calls
+    advancing a fake clock: (calls measured as (collective, bytes, repeats), calibration,
+    seconds the clock advanced)."""
+    from qcoll import _cost_probe
+
+    clock = _Clock()
+    seen = []
+
+    def medians(collective, group, model, policies, nbytes, device, repeats):
+        t = nbytes * 1e-8 * slower(collective, nbytes)
+        clock.now += len(policies) * (repeats + 1) * t
+        seen.append((collective, nbytes, repeats))
+        return [nbytes * 1e-10] * len(policies), [t] * len(policies)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(_cost_probe, "_calibration_medians", medians)
+        mp.setattr(_cost_probe, "agreed_max", lambda group, values, device: values)
+        mp.setattr(_cost_probe.time, "monotonic", clock.monotonic)
+        start = clock.now
+        cal = _cost_probe._calibration(None, synthetic(), torch.device("cpu"), start + budget)
+    return seen, cal, clock.now - start
+
+
+def test_calibration_rounds_end_within_the_budget(monkeypatch):
+    # Whatever the budget: sizes in rounds (every collective measures a size before any
+    # measures the next), the first size always measured, no later one started that ends
+    # past the deadline, and a larger budget never fewer points.
+    order = ("allgather", "reduce_scatter", "all_reduce")
+    points = []
+    for budget in (0.5, 2.0, 4.0, 6.0, 9.0, 60.0):
+        seen, cal, elapsed = _scripted_calibration(monkeypatch, budget)
+        assert [c for c, b, _ in seen if b == 2 << 20] == list(order)
+        if len(seen) > 3:  # past the first round, within the budget
+            assert elapsed <= budget, (budget, elapsed, seen)
+        for i, (_, b, _) in enumerate(seen):  # a size's calls all come before the next size's
+            assert all(bb <= b for _, bb, _ in seen[:i]), seen
+        sizes = {c: [b for cc, b, _ in seen if cc == c] for c in order}
+        for c in order:
+            assert sizes[c] == [(2 << 20) * 4 ** i for i in range(len(sizes[c]))], sizes  # 2, 8, 32 MB
+            assert all(len(v.points) == len(sizes[c]) for k, v in cal.items() if k.startswith(c + "/"))
+        # 7 timed calls per kind while calls are short; 3 at 32 MB (forecast 4 x 84 ms >= 0.25 s).
+        assert all(r == (3 if b == 32 << 20 else 7) for _, b, r in seen)
+        points.append(len(seen))
+    assert sizes == {c: [2 << 20, 8 << 20, 32 << 20] for c in order}  # 60 s: every size
+    assert points == sorted(points) and points[0] == 3 and len(set(points)) >= 3, points
+
+
+@pytest.mark.parametrize("budget, sizes", [(12.0, (3, 2, 2)), (16.0, (3, 3, 2))])
+def test_calibration_forecast_counts_the_timed_calls(monkeypatch, budget, sizes):
+    # By hand, the scripted calls' clock: the first two rounds end at 6.71 s; at 32 MB each
+    # kind times 3 calls, not 7, so the forecast is the 8 MB step's time x 6 x 4/8: the
+    # all-gather's 1.34 s -> 4.03 (ends at 10.74), then the others' 2.01 s -> 6.04 each (the
+    # reduce-scatter, after the all-gather's 2.68 s: ends at 15.44; the all-reduce: 19.47).
+    # Counting 8 calls (x 6 alone) would leave the all-gather out at 12 s.
+    seen, _, elapsed = _scripted_calibration(monkeypatch, budget)
+    got = tuple(len([b for c, b, _ in seen if c == collective])
+                for collective in ("allgather", "reduce_scatter", "all_reduce"))
+    assert got == sizes and elapsed <= budget, (got, elapsed)
+
+
+def test_calibration_measures_again_only_within_the_budget(monkeypatch):
+    # The all-reduce's 8 MB calls at 10x per byte (a jump): its step takes 20.1 s and ends
+    # at 24.8 s; measured again (another 20.1 s) within a 60 s budget, not within 30 s.
+    def slower(collective, nbytes):
+        return 10 if (collective, nbytes) == ("all_reduce", 8 << 20) else 1
+
+    for budget, times in ((60.0, 2), (30.0, 1)):
+        seen, _, elapsed = _scripted_calibration(monkeypatch, budget, slower)
+        assert [c for c, b, _ in seen if b == 8 << 20].count("all_reduce") == times, seen
+        assert elapsed <= budget
 
 
 def test_calibration_applies_per_collective_and_kind():
@@ -330,8 +416,9 @@ def test_probe_bounded_agreed_cached():
     assert first["source"] == "probe" and first["world"] == 4 and first["node_size"] == NODE_SIZE
     for model, elapsed, same, cached_s, counted in results:
         assert model == first  # every rank holds identical numbers
-        # Bounded: sizes stop growing once the budget is spent; the last measures may overrun
-        # it by a few calls of at most the probe's target time (slack for a loaded machine).
+        # Bounded: a next size only where its forecast ends within the budget; the first
+        # sizes always run (the rates' smallest, one calibration size per collective: about
+        # 1 s on 2 x 2 loopback), so slack for those on a loaded machine.
         assert elapsed < budget + 6.0, elapsed
         assert same and cached_s < 0.05
         for bits, (stats_bytes, predicted) in counted.items():
@@ -341,6 +428,31 @@ def test_probe_bounded_agreed_cached():
     assert sorted(first["calibration"]) == sorted(
         ["allgather/uncompressed", "allgather/quantized"]
         + [f"{c}/{k}" for c in ("reduce_scatter", "all_reduce") for k in ("uncompressed", "quantized 2-hop", "quantized flat")])
+
+
+def _probe_with_a_fast_clock(rank, world, budget):
+    # Rank 0's clock runs at twice the speed: it finds the budget spent before the others
+    # do. Which sizes run is agreed (the latest rank's view), so no rank is left waiting in
+    # a call the others skipped, and every rank ends with the same model.
+    import types
+    from qcoll import _cost_probe
+
+    if rank == 0:
+        t0 = time.monotonic()
+        _cost_probe.time = types.SimpleNamespace(monotonic=lambda: 2 * time.monotonic() - t0,
+                                                 perf_counter=time.perf_counter)
+    g = qcoll.new_group(node_size=NODE_SIZE)
+    try:
+        return qcoll.cost_model(g, budget_s=budget).to_dict()
+    finally:
+        _cost_probe.time = time
+        g.close()
+
+
+def test_probe_sizes_agreed_when_clocks_disagree():
+    models = run_ranks(4, _probe_with_a_fast_clock, 3.0, timeout=180)
+    assert all(m == models[0] for m in models)
+    assert models[0]["source"] == "probe" and len(models[0]["calibration"]) == 8
 
 
 def _disagree(rank, world, models, path):
