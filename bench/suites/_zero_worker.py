@@ -179,8 +179,8 @@ def _median_or_none(values: list):
 
 
 class Training:
-    """One configuration's run, stepped from outside (train() steps one configuration to
-    its end; main() may step several in turns), and its row."""
+    """One configuration's run, stepped from outside (train() steps one or several in
+    turns), and its row."""
 
     def __init__(self, cfg: dict, rank: int, group, language, model_cfg, name: str, techniques: dict):
         self.cfg, self.rank, self.language, self.name, self.techniques = cfg, rank, language, name, techniques
@@ -259,33 +259,20 @@ class Training:
         return row
 
 
-def train(cfg: dict, rank: int, group, language, model_cfg, name: str, techniques: dict) -> dict:
-    training = Training(cfg, rank, group, language, model_cfg, name, techniques)
-    for step in range(cfg["steps"]):
-        training.step(step)
-    if cfg.get("loop_steps"):
-        training.loop_steps()
-    return training.row()
-
-
-def train_in_turns(cfg: dict, rank: int, group, language, model_cfg) -> list:
-    """Every configuration built first, then stepped in turns (A, B, C, A, B, C, ...): load
-    from other jobs that comes and goes on a shared host falls on all of them alike, where
-    one configuration after another lets a drift land on one (the auto suite's ZeRO++ auto
-    steps ran 0.30 s in their first half and 0.36 s in their second, the config before it
-    0.32 s throughout). Only for runs that keep their own counters (EngineRun, ReferenceRun):
-    FSDP2Run and DDPRun read qcoll.stats(), which they share."""
-    if any("fsdp2" in techniques or "ddp" in techniques for _, techniques in cfg["configs"]):
-        raise ValueError("interleave: FSDP2 and DDP runs share qcoll.stats() and must run one after another")
-    trainings = [Training(cfg, rank, group, language, model_cfg, name, techniques)
-                 for name, techniques in cfg["configs"]]
+def train(cfg: dict, rank: int, group, language, model_cfg, configs: list, progress) -> list:
+    """The rows of `configs` ((name, techniques) pairs), every one built first, then stepped
+    in turns (A, B, C, A, B, C, ...; one configuration: alone); progress() after each round.
+    In turns, load from other jobs that comes and goes on a shared host falls on all of them
+    alike, where one configuration after another lets a drift land on one (the auto suite's
+    ZeRO++ auto steps ran 0.30 s in their first half and 0.36 s in their second, the config
+    before it 0.32 s throughout)."""
+    trainings = [Training(cfg, rank, group, language, model_cfg, name, techniques) for name, techniques in configs]
     for step in range(cfg["steps"]):
         for training in trainings:
             training.step(step)
-        if rank == 0:
-            print(f"PROGRESS {step + 1} {cfg['steps']}", flush=True)
-    for training in trainings:
-        if cfg.get("loop_steps"):
+        progress()
+    if cfg.get("loop_steps"):
+        for training in trainings:
             training.loop_steps()
     return [training.row() for training in trainings]
 
@@ -302,14 +289,20 @@ def main() -> None:
     model_cfg = gpt.GPTConfig(vocab_size=m["vocab"], block_size=cfg["seq"], n_layer=m["layers"],
                               n_head=m["heads"], d_model=m["d_model"], tie_weights=True)
     language = gpt.MarkovLanguage(m["vocab"], seed=cfg["seed"])
-    if cfg.get("interleave"):
-        rows = train_in_turns(cfg, rank, group, language, model_cfg)
+    if cfg.get("interleave"):  # only runs that keep their own counters: FSDP2 and DDP read qcoll.stats()
+        if any("fsdp2" in techniques or "ddp" in techniques for _, techniques in cfg["configs"]):
+            raise ValueError("interleave: FSDP2 and DDP runs share qcoll.stats() and must run one after another")
+        batches = [cfg["configs"]]
     else:
-        rows = []
-        for i, (name, techniques) in enumerate(cfg["configs"]):
-            rows.append(train(cfg, rank, group, language, model_cfg, name, techniques))
-            if rank == 0:
-                print(f"PROGRESS {i + 1} {len(cfg['configs'])}", flush=True)
+        batches = [[config] for config in cfg["configs"]]
+    done, total = 0, len(batches) * cfg["steps"]
+
+    def progress():
+        nonlocal done
+        done += 1
+        if rank == 0:
+            print(f"PROGRESS {done} {total}", flush=True)
+    rows = [row for configs in batches for row in train(cfg, rank, group, language, model_cfg, configs, progress)]
     if rank == 0:
         n_params = sum(p.numel() for p in gpt.GPT(model_cfg).parameters())
         with open(cfg["out"], "w") as f:
