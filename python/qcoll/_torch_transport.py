@@ -5,6 +5,10 @@ by (buffer id, byte offset)."""
 
 from __future__ import annotations
 
+import os
+import sys
+import time
+
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -21,17 +25,64 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 # to this size; a larger one is allocated per call rather than held.
 _KEEP_REPLICAS_BYTES = 64 << 20
 # Over a group with ranks on several nodes and several per node, the all-to-all sends every
-# chunk across nodes from each rank (3 x 2: 8 chunks leave a node, against the ring's 5), so
-# it gathers that way only up to this size, where the ring's waits cost more than the extra
-# bytes even on a 1 Gbit/s link; past it, gloo's ring.
+# chunk across nodes from each rank (3 x 2: 8 chunks leave a node, against the ring's 5). Up
+# to this size it gathers that way: there the ring's size - 1 waiting steps cost more than the
+# extra bytes even on a 1 Gbit/s link. Past it neither path is faster everywhere (on
+# loopback the all-to-all took 152-159 against the ring's 260-264 ms for 64 MB of bf16 on
+# 3 x 2; on a slow link the extra bytes cost more), so the transport measures (GatherPaths).
 ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES = 256 << 10
+# A measured size band's trials: one gather by each path, and one more each where the two
+# are within this ratio (a first trial is also the first use of buffers and caches).
+_GATHER_TRIAL_CLOSE = 1.25
 
 
-def gathers_by_all_to_all(size: int, node_size: int, gathered_bytes: int) -> bool:
-    """Whether the gloo transport of a group of `size` ranks, `node_size` per node, gathers
-    `gathered_bytes` by the all-to-all (else gloo's ring all-gather)."""
+def measures_gather_path(size: int, node_size: int, gathered_bytes: int) -> bool:
+    """Whether the gloo transport of a group of `size` ranks, `node_size` per node, chooses
+    how to gather `gathered_bytes` by timing both paths (GatherPaths); where not, it gathers
+    by the all-to-all."""
     spans_tiers = 1 < node_size < size
-    return not spans_tiers or gathered_bytes <= ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES
+    return spans_tiers and gathered_bytes > ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES
+
+
+def gather_band(gathered_bytes: int) -> int:
+    """The size band k of a gather: gathered bytes in (4^(k-1), 4^k]."""
+    return (max(1, gathered_bytes) - 1).bit_length() + 1 >> 1
+
+
+class GatherPaths:
+    """Which path a spanning group's transport gathers each size band by (True: the
+    all-to-all, False: gloo's ring), chosen at the band's first gather: one gather by each
+    path timed, the slowest rank's times taken by an all-reduce (MAX), and where the two are
+    within _GATHER_TRIAL_CLOSE once more (the lower of the two trials kept); the all-to-all
+    only where strictly faster. Every step is decided from agreed values, so every rank runs
+    the same gathers and holds the same choice; results are identical either way (a gather
+    moves bytes unchanged). Only a band's first gather pays: 2 or 4 gathers and 1 or 2
+    16-byte all-reduces."""
+
+    def __init__(self):
+        self.chosen = {}  # band -> True (all-to-all) / False (ring)
+        self.trials = {}  # band -> (ring, all-to-all): the agreed seconds it was chosen by
+
+    def choose(self, gather, agree, band: int) -> bool:
+        """gather(by_all_to_all) runs the gather once; agree(tensor) all-reduces it (MAX)
+        in place over the group."""
+        best = None
+        for _ in range(2):
+            times = torch.tensor([_timed(gather, False), _timed(gather, True)], dtype=torch.float64)
+            agree(times)
+            best = times if best is None else torch.minimum(best, times)
+            ring, all_to_all = best.tolist()
+            if max(ring, all_to_all) > _GATHER_TRIAL_CLOSE * min(ring, all_to_all):
+                break  # clearly apart: one trial each is enough
+        self.chosen[band] = choice = all_to_all < ring
+        self.trials[band] = (ring, all_to_all)
+        return choice
+
+
+def _timed(gather, by_all_to_all: bool) -> float:
+    start = time.perf_counter()
+    gather(by_all_to_all)
+    return time.perf_counter() - start
 
 
 class ProcessGroupTransport:
@@ -42,8 +93,9 @@ class ProcessGroupTransport:
     all-gather is a ring of size - 1 steps, each waiting for the one before; its all-to-all
     posts every pair at once, so the transport gathers by an all-to-all of its bytes sent to
     every rank: 117-162 against 261-290 ms for 64 MB on 6 ranks, 0.7-0.8x from 1 KB on 4
-    (bench/results/probe-gloo-all-gather-a2a-cpu.txt); over nodes of several ranks, only up
-    to ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES (gathers_by_all_to_all). On the ProcessGroup of the other
+    (bench/results/probe-gloo-all-gather-a2a-cpu.txt); over nodes of several ranks, up to
+    ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES, and past it by whichever path measured faster at the
+    size band's first gather (GatherPaths). On the ProcessGroup of the other
     exchanges it slowed the gloo all-reduces after it (1.03x -> 1.38-1.42x torch's at 4 MB on
     2 x 2, like the send/recv pairs of abcf3d3; cause not found); on a group of its own it
     does not."""
@@ -64,6 +116,7 @@ class ProcessGroupTransport:
                                        "AllreduceOptions"))
         self._opts = {}
         self._replicas = None  # the all-gather's send buffer, kept for the next call
+        self.gather_paths = GatherPaths()
 
     def _options(self, kind, op=None):
         opts = self._opts.get((kind, op))
@@ -91,19 +144,47 @@ class ProcessGroupTransport:
     def all_gather(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
         send, recv = buffers.pair(send_id, send_off, nbytes, recv_id, recv_off, self.size * nbytes, nbytes)
         try:
-            by_all_to_all = (self.gather_pg is not None and send.device.type == "cpu"
-                             and gathers_by_all_to_all(self.size, self.node_size, self.size * nbytes))
-            if by_all_to_all and self._direct:
-                self.gather_pg.all_to_all_single(recv, self._replicated(send), [], [],
-                                                 self._options(c10d.AllToAllOptions)).wait()
-            elif by_all_to_all:
-                dist.all_to_all_single(recv, self._replicated(send), group=self.gather_pg)
-            elif self._direct:
-                self.pg.all_gather_single(recv, send, self._options(c10d.AllgatherOptions)).wait()
+            if self.gather_pg is None or send.device.type != "cpu":
+                self._gather(recv, send, False)
+            elif not measures_gather_path(self.size, self.node_size, self.size * nbytes):
+                self._gather(recv, send, True)
             else:
-                _all_gather(recv, send, group=self.pg)
+                band = gather_band(self.size * nbytes)
+                by_all_to_all = self.gather_paths.chosen.get(band)
+                if by_all_to_all is None:  # the band's first gather: the trials leave it in recv
+                    self.gather_paths.choose(lambda path: self._gather(recv, send, path), self._agree, band)
+                    self._log_choice(band)
+                else:
+                    self._gather(recv, send, by_all_to_all)
         except Exception as exc:  # noqa: BLE001
             raise self._failed("all-gather", exc) from exc
+
+    def _gather(self, recv, send, by_all_to_all: bool):
+        if by_all_to_all and self._direct:
+            self.gather_pg.all_to_all_single(recv, self._replicated(send), [], [],
+                                             self._options(c10d.AllToAllOptions)).wait()
+        elif by_all_to_all:
+            dist.all_to_all_single(recv, self._replicated(send), group=self.gather_pg)
+        elif self._direct:
+            self.pg.all_gather_single(recv, send, self._options(c10d.AllgatherOptions)).wait()
+        else:
+            _all_gather(recv, send, group=self.pg)
+
+    def _log_choice(self, band: int):
+        if "transport" not in os.environ.get("QCOLL_LOG", "").split(",") or self.pg.rank() != 0:
+            return
+        ring, all_to_all = self.gather_paths.trials[band]
+        path = "the all-to-all" if self.gather_paths.chosen[band] else "gloo's ring"
+        print(f"qcoll transport: all-gathers of ({4 ** (band - 1) >> 10}, {4 ** band >> 10}] KB "
+              f"over {self.label} by {path} (measured: ring {ring * 1e3:.2f} ms, all-to-all "
+              f"{all_to_all * 1e3:.2f} ms)", file=sys.stderr, flush=True)
+
+    def _agree(self, values):
+        """values all-reduced (MAX) in place over the group."""
+        if self._direct:
+            self.pg.allreduce([values], self._options(c10d.AllreduceOptions, dist.ReduceOp.MAX)).wait()
+        else:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.pg)
 
     def _replicated(self, send):
         """`send` once per rank, one after the other (the all-to-all's input)."""

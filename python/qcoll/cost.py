@@ -51,7 +51,7 @@ from . import _C
 from ._runtime import call
 from ._formats import FORMATS, RAW_CODE, format_code, format_of
 from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy, unquantized_host_all_reduce
-from ._torch_transport import gathers_by_all_to_all
+from ._torch_transport import measures_gather_path
 
 RAW = "raw"  # the kernel-rate key of unquantized hops (copy to send, fp32 add to reduce)
 COLLECTIVES = ("allgather", "reduce_scatter", "all_reduce")
@@ -361,14 +361,20 @@ class CostModel:
         plan = _C.plan_all_gather(self.world, n, _dtype_code(dtype), wire, group_size, headers)
         fmt = format_of(wire)
         # Both go through the transport's all-gather: raw values, or the encoded slots; on
-        # CPU (gloo) an all-to-all where the transport gathers that way, else a ring.
+        # CPU (gloo) an all-to-all, or past a size over nodes of several ranks the faster of
+        # it and the ring (the transport measures which), else a ring.
         # Quantized: encode mine, decode all.
         kernel = 0.0 if fmt is None else self._kernel(fmt, n, self.world * n)
         sent = n * dtype.itemsize if fmt is None else plan.chunk  # what the transport is handed
-        if not ring and self.device == "cpu" and gathers_by_all_to_all(self.world, self.node_size, self.world * sent):
-            intra, inter = (peers * plan.chunk for peers in self._peers())
+        by_ring = self._ring(plan.chunk)
+        by_all_to_all = tuple(peers * plan.chunk for peers in self._peers())
+        if ring or self.device != "cpu":
+            paths = [by_ring]
+        elif measures_gather_path(self.world, self.node_size, self.world * sent):
+            paths = [by_ring, by_all_to_all]
         else:
-            intra, inter = self._ring(plan.chunk)
+            paths = [by_all_to_all]
+        intra, inter = min(paths, key=lambda p: sum(self._exchange(*p)))  # a tie: the ring
         return [(*self._exchange(intra, inter), kernel, intra, inter)]
 
     def _rs_plan(self, n: int, dtype, p: ReduceScatterPolicy, raw_exchange: bool = False):

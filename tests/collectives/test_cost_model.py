@@ -88,7 +88,9 @@ def test_unquantized_bf16_all_reduce_predicted_on_the_path_it_takes():
 
 def test_transport_all_reduce_gathers_by_its_ring(monkeypatch):
     """The transport's own all-reduce (fp32; bf16 below 1 MB) is gloo's, its gather half a
-    ring whatever size the transport's all-gather takes the all-to-all up to."""
+    ring whatever size the transport's all-gather takes the all-to-all up to; past that
+    size the all-gather is the faster of the two paths by the rates (the transport measures
+    which), on this 1 Gbit/s link the ring with its fewer bytes across nodes."""
     from qcoll import _torch_transport
 
     m = synthetic()
@@ -100,8 +102,14 @@ def test_transport_all_reduce_gathers_by_its_ring(monkeypatch):
         ag = m.predict("allgather", n // 4, torch.float32, AllGatherPolicy(bits=None))
         predicted[limit] = ((ar.intra_bytes, ar.inter_bytes), (ag.intra_bytes, ag.inter_bytes))
     assert predicted[0][0] == predicted[1 << 40][0]  # the all-reduce: the ring either way
-    assert predicted[0][1] == (3 * n // 2, 3 * n // 2)  # the all-gather: the ring past the limit,
+    assert predicted[0][1] == (3 * n // 2, 3 * n // 2)  # the all-gather: the faster (ring) past it,
     assert predicted[1 << 40][1] == (n, 2 * n)  # the all-to-all within it
+    # Past it with a node's links slower than the links between nodes: the all-to-all, the
+    # faster there by the rates.
+    monkeypatch.setattr(_torch_transport, "ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES", 0)
+    ag = synthetic(inter_gbit=50.0, intra_gbit=1.0).predict("allgather", n // 4, torch.float32,
+                                                           AllGatherPolicy(bits=None))
+    assert (ag.intra_bytes, ag.inter_bytes) == (n, 2 * n)
 
 
 def test_bits_none_all_reduce_tail_predicted_apart():

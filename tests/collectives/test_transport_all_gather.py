@@ -1,8 +1,10 @@
 """The gloo transport's all-gather: an all-to-all of the rank's bytes sent to every rank, on
 a ProcessGroup of its own (ProcessGroupTransport.gather_pg), except past a size limit over
-nodes of several ranks (gloo's ring there). Every rank's bytes land at its offset for every
-dtype the core sends, on either path; the send buffer is kept only up to its size limit;
-a peer that dies or stalls mid-gather is an error within the group's timeout."""
+nodes of several ranks, where each size band takes whichever of it and gloo's ring measured
+faster at its first gather (GatherPaths), the same on every rank. Every rank's bytes land at
+its offset for every dtype the core sends, on either path; the send buffer is kept only up
+to its size limit; a peer that dies or stalls mid-gather is an error within the group's
+timeout."""
 
 from __future__ import annotations
 
@@ -80,23 +82,88 @@ def test_every_rank_lands_at_its_offset(world):
             assert kept == world * small * 4, (numel, dtype, kept)
 
 
-@pytest.mark.parametrize("world", [4, 6])  # 2 and 3 nodes of 2 ranks
-def test_over_nodes_of_several_ranks_large_gathers_take_the_ring(world):
-    node_size = 2
-    small, large = 1000, tt.ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES // 4 // world + 17
-    results = run_ranks(world, _gather, [small, large], 64 << 20, node_size, timeout=120)
+# Scripted trial times (seconds) per rank and path: (ring, all-to-all).
+APART = {0: (0.010, 0.002), 1: (0.003, 0.005), 2: (0.003, 0.004), 3: (0.003, 0.006)}
+CLOSE = {r: (0.010, 0.009) for r in range(4)}
+
+
+def _measured(rank, world, script):
+    """Gathers over 2 nodes x 2 past the limit with the trials' times scripted per rank:
+    for each gather, whether it went through the all-to-all, how many trial gathers ran, the
+    transport's choices, and whether it landed."""
+    g = qcoll.new_group(node_size=2)
+    trials = []
+    real_timed = tt._timed
+
+    def timed(gather, by_all_to_all):
+        real_timed(gather, by_all_to_all)  # the gather itself runs: every rank's collectives pair up
+        trials.append(by_all_to_all)
+        return script[rank][int(by_all_to_all)] if script else 0.0
+    tt._timed = timed
+    seen = []
+    original, tt.ProcessGroupTransport._replicated = _recording(seen)
+    limit = tt.ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES
+    out = []
+    try:
+        # Two bands past the limit, each gathered twice; the second band's size twice over.
+        for numel in (limit // 4 // world + 5, limit // 4 // world + 9, 4 * limit // 4 // world + 3):
+            base = torch.arange(world * numel, dtype=torch.float32)
+            full = torch.full((world * numel,), float("nan"))
+            before, trials_before = len(seen), len(trials)
+            qcoll.quantized_allgather(full, base[rank * numel:(rank + 1) * numel].clone(), g, bits=None)
+            through = any(b >= numel * 4 for _, b in seen[before:])
+            out.append((numel, torch.equal(full, base), through, list(trials[trials_before:])))
+        transport = seen[0][0] if seen else None
+        chosen = dict(transport.gather_paths.chosen) if transport else None
+    finally:
+        tt.ProcessGroupTransport._replicated = original
+        tt._timed = real_timed
+    g.close()
+    return out, chosen
+
+
+def test_past_the_limit_over_nodes_the_faster_path_measured_is_taken_on_every_rank():
+    """Ranks 1-3 time the ring faster, rank 0 the all-to-all by far: the slowest rank's
+    times decide (ring 10 ms, all-to-all 6 ms), so every rank takes the all-to-all, measured
+    once per size band (one trial each: 10 against 6 ms are apart)."""
+    results = run_ranks(4, _measured, APART, timeout=120)
+    band = tt.gather_band
+    for out, chosen in results:
+        assert [placed for _, placed, _, _ in out] == [True] * 3, out
+        (n1, _, via1, trials1), (n2, _, via2, trials2), (n3, _, via3, trials3) = out
+        assert band(4 * 4 * n1) == band(4 * 4 * n2) != band(4 * 4 * n3)
+        assert trials1 == [False, True] and trials2 == [] and trials3 == [False, True]
+        assert via1 and via2 and via3  # the all-to-all: the last trial, then the choice
+        assert chosen == {band(16 * n1): True, band(16 * n3): True}
+
+
+def test_close_trials_run_twice_and_a_tie_keeps_the_ring():
+    """10 against 9 ms is within _GATHER_TRIAL_CLOSE: each path is timed once more; the
+    lower of the two trials per path are equal here, so the ring (fewer bytes across nodes)."""
+    tie = {r: (0.009, 0.009) for r in range(4)}
+    for script, expect in ((CLOSE, True), (tie, False)):
+        for out, chosen in run_ranks(4, _measured, script, timeout=120):
+            (_, placed, _, trials), (_, _, via2, none), _ = out
+            assert placed and trials == [False, True, False, True] and none == [], out
+            assert via2 is expect and set(chosen.values()) == {expect}, (script, out, chosen)
+
+
+def test_measured_unscripted_every_rank_agrees():
+    """Real trials: whichever path wins on this machine, every rank holds the same choice
+    and every gather lands."""
+    results = run_ranks(4, _measured, None, timeout=120)
+    choices = [chosen for _, chosen in results]
+    assert all(c == choices[0] for c in choices) and len(choices[0]) == 2, choices
     for out, _ in results:
-        paths = {(numel, dtype): through for numel, dtype, placed, through, _ in out if placed}
-        assert len(paths) == len(out), out  # every gather placed, on either path
-        assert paths[(small, "torch.float32")] and paths[(small, "torch.bfloat16")]
-        assert not paths[(large, "torch.float32")]  # past the limit: the ring
-        assert paths[(large, "torch.bfloat16")]  # half the bytes: within it
+        assert all(placed for _, placed, _, _ in out), out
 
 
 def test_the_rule():
     limit = tt.ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES
-    assert tt.gathers_by_all_to_all(6, 6, 1 << 30) and tt.gathers_by_all_to_all(6, 1, 1 << 30)
-    assert tt.gathers_by_all_to_all(6, 2, limit) and not tt.gathers_by_all_to_all(6, 2, limit + 1)
+    assert not tt.measures_gather_path(6, 6, 1 << 30) and not tt.measures_gather_path(6, 1, 1 << 30)
+    assert not tt.measures_gather_path(6, 2, limit) and tt.measures_gather_path(6, 2, limit + 1)
+    # Bands of 4x: (4^(k-1), 4^k] bytes.
+    assert [tt.gather_band(b) for b in (4 ** 9, 4 ** 9 + 1, 4 ** 10, 4 ** 10 + 1)] == [9, 10, 10, 11]
 
 
 def _threads() -> int:
