@@ -102,7 +102,9 @@ def main() -> None:
                 print(f"PROGRESS {done} {total}", flush=True)
     if rank == 0:
         with open(cfg["out"], "w") as f:
-            json.dump({"rows": rows, "model": model.to_dict(), "probe_s": probe_s}, f)
+            # The transport's measured all-gather path per size band (Group.gather_paths).
+            paths = {f"{lo}-{hi}": d for (lo, hi), d in group.gather_paths.items()}
+            json.dump({"rows": rows, "model": model.to_dict(), "probe_s": probe_s, "gather_paths": paths}, f)
     dist.barrier()
     dist.destroy_process_group()
 

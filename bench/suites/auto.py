@@ -74,7 +74,8 @@ def run(quick: bool, progress, sizes=None) -> dict:
                                     env=lambda r: {"GLOO_SOCKET_IFNAME": _netns.IFACE,
                                                    "QCOLL_HOST_ID": f"node{r // node_size}"},
                                     timeout=3600, worker=WORKER)
-                models[f"{topology} {name}"] = dict(out["model"], probe_s=out["probe_s"])
+                models[f"{topology} {name}"] = dict(out["model"], probe_s=out["probe_s"],
+                                                    gather_paths=out["gather_paths"])
                 for r in out["rows"]:
                     rows.append(dict(r, topology=topology, link=name, link_gbit=gbit))
                 done += 1
@@ -158,6 +159,12 @@ def table(result: dict) -> list:
         lines.append(f"{name}: link probed {p['gbit_s']:.2f} Gbit/s one stream; model (probe {m['probe_s']:.1f} s): "
                      f"intra {m['intra']['bandwidth'] * 8e-9:.2f} Gbit/s/rank {m['intra']['latency'] * 1e3:.2f} ms, "
                      f"inter {inter.get('bandwidth', 0) * 8e-9:.2f} Gbit/s/rank {inter.get('latency', 0) * 1e3:.2f} ms")
+        paths = m.get("gather_paths") or {}  # absent from runs before the measured gather
+        if paths:
+            lines.append("  all-gathers by " + ", ".join(
+                f"{human_bytes(int(band.split('-')[0]))}-{human_bytes(int(band.split('-')[1]))}: {d['path']} "
+                f"({d['measured_s']['ring'] * 1e3:.1f} / {d['measured_s']['all_to_all'] * 1e3:.1f} ms)"
+                for band, d in paths.items()))
     lines.append(f"{'topo':5}{'link':>12} {'collective':15}{'size':>8} | {'uncompr. ms (pred)':>19} "
                  f"{'quantized ms (pred)':>20} {'auto ms':>9} {'auto/best':>9}  choice")
     for r in result["rows"]:

@@ -76,6 +76,7 @@ class Group:
             _owned_pg, label, self._gather_pg, node_size)
         local = [p // node_size == self.node for p in range(self.size)]
         self._torch_comm = _C.TorchCommunicator(self.rank, self.size, local, transport)
+        self._transport = transport
         self._nccl_comm = None
         self._cpu_workspace = None  # grow-only scratch of its CPU calls (_runtime/call.py)
         self._sequence = itertools.count()  # call numbers, stamped into the wire headers
@@ -158,6 +159,20 @@ class Group:
             self._cuda.close()
 
     # ---- transports --------------------------------------------------------------------
+    @property
+    def gather_paths(self) -> dict:
+        """How this group's gloo transport gathers the size bands it chose by measuring
+        (past 256 KB gathered, over nodes of several ranks): {(low, high): {"path":
+        "all_to_all" or "ring", "measured_s": {"ring": s, "all_to_all": s}}} for gathered
+        bytes in (low, high], the agreed (slowest rank's) times; the same on every rank."""
+        paths = getattr(self._transport, "gather_paths", None)
+        if paths is None:
+            return {}
+        return {(4 ** (band - 1), 4 ** band): {
+                    "path": "all_to_all" if chosen else "ring",
+                    "measured_s": dict(zip(("ring", "all_to_all"), paths.trials[band]))}
+                for band, chosen in sorted(paths.chosen.items())}
+
     def communicator(self, device: torch.device):
         """The C++ communicator for a call on `device`."""
         if self._closed:

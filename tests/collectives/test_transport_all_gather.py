@@ -82,9 +82,10 @@ def test_every_rank_lands_at_its_offset(world):
             assert kept == world * small * 4, (numel, dtype, kept)
 
 
-# Scripted trial times (seconds) per rank and path: (ring, all-to-all).
-APART = {0: (0.010, 0.002), 1: (0.003, 0.005), 2: (0.003, 0.004), 3: (0.003, 0.006)}
-CLOSE = {r: (0.010, 0.009) for r in range(4)}
+# Scripted trial times (seconds) per rank, in the trials' order: ring, all-to-all,
+# all-to-all, ring.
+APART = {0: (0.010, 0.002, 0.003, 0.011), 1: (0.003, 0.005, 0.006, 0.004),
+         2: (0.003, 0.004, 0.004, 0.003), 3: (0.003, 0.006, 0.005, 0.004)}
 
 
 def _measured(rank, world, script):
@@ -96,9 +97,9 @@ def _measured(rank, world, script):
     real_timed = tt._timed
 
     def timed(gather, by_all_to_all):
-        real_timed(gather, by_all_to_all)  # the gather itself runs: every rank's collectives pair up
+        seconds = real_timed(gather, by_all_to_all)  # the gather runs: every rank's collectives pair up
         trials.append(by_all_to_all)
-        return script[rank][int(by_all_to_all)] if script else 0.0
+        return script[rank][(len(trials) - 1) % 4] if script else seconds
     tt._timed = timed
     seen = []
     original, tt.ProcessGroupTransport._replicated = _recording(seen)
@@ -113,8 +114,7 @@ def _measured(rank, world, script):
             qcoll.quantized_allgather(full, base[rank * numel:(rank + 1) * numel].clone(), g, bits=None)
             through = any(b >= numel * 4 for _, b in seen[before:])
             out.append((numel, torch.equal(full, base), through, list(trials[trials_before:])))
-        transport = seen[0][0] if seen else None
-        chosen = dict(transport.gather_paths.chosen) if transport else None
+        chosen = g.gather_paths
     finally:
         tt.ProcessGroupTransport._replicated = original
         tt._timed = real_timed
@@ -124,28 +124,30 @@ def _measured(rank, world, script):
 
 def test_past_the_limit_over_nodes_the_faster_path_measured_is_taken_on_every_rank():
     """Ranks 1-3 time the ring faster, rank 0 the all-to-all by far: the slowest rank's
-    times decide (ring 10 ms, all-to-all 6 ms), so every rank takes the all-to-all, measured
-    once per size band (one trial each: 10 against 6 ms are apart)."""
+    times decide (each path's faster trial per rank: ring 10 ms, all-to-all 5 ms), so every
+    rank takes the all-to-all, measured once per size band."""
     results = run_ranks(4, _measured, APART, timeout=120)
     band = tt.gather_band
     for out, chosen in results:
         assert [placed for _, placed, _, _ in out] == [True] * 3, out
         (n1, _, via1, trials1), (n2, _, via2, trials2), (n3, _, via3, trials3) = out
         assert band(4 * 4 * n1) == band(4 * 4 * n2) != band(4 * 4 * n3)
-        assert trials1 == [False, True] and trials2 == [] and trials3 == [False, True]
-        assert via1 and via2 and via3  # the all-to-all: the last trial, then the choice
-        assert chosen == {band(16 * n1): True, band(16 * n3): True}
+        assert trials1 == trials3 == [False, True, True, False] and trials2 == []
+        assert via2 and via3  # the chosen all-to-all (the first gather's trials went both ways)
+        agreed = {"path": "all_to_all", "measured_s": {"ring": 0.010, "all_to_all": 0.005}}
+        assert chosen == {(4 ** (band(16 * n) - 1), 4 ** band(16 * n)): agreed for n in (n1, n3)}, chosen
 
 
-def test_close_trials_run_twice_and_a_tie_keeps_the_ring():
-    """10 against 9 ms is within _GATHER_TRIAL_CLOSE: each path is timed once more; the
-    lower of the two trials per path are equal here, so the ring (fewer bytes across nodes)."""
-    tie = {r: (0.009, 0.009) for r in range(4)}
-    for script, expect in ((CLOSE, True), (tie, False)):
+def test_each_path_counts_its_faster_trial_and_a_tie_keeps_the_ring():
+    """A first all-to-all faster than a first ring, but the second ring faster than either:
+    the ring. Equal times: the ring (fewer bytes across nodes)."""
+    second_ring = {r: (0.010, 0.005, 0.006, 0.004) for r in range(4)}
+    tie = {r: (0.009, 0.009, 0.009, 0.009) for r in range(4)}
+    for script in (second_ring, tie):
         for out, chosen in run_ranks(4, _measured, script, timeout=120):
             (_, placed, _, trials), (_, _, via2, none), _ = out
-            assert placed and trials == [False, True, False, True] and none == [], out
-            assert via2 is expect and set(chosen.values()) == {expect}, (script, out, chosen)
+            assert placed and trials == [False, True, True, False] and none == [], out
+            assert not via2 and {c["path"] for c in chosen.values()} == {"ring"}, (script, out, chosen)
 
 
 def test_measured_unscripted_every_rank_agrees():
@@ -154,6 +156,8 @@ def test_measured_unscripted_every_rank_agrees():
     results = run_ranks(4, _measured, None, timeout=120)
     choices = [chosen for _, chosen in results]
     assert all(c == choices[0] for c in choices) and len(choices[0]) == 2, choices
+    assert all(c["path"] in ("ring", "all_to_all") and min(c["measured_s"].values()) > 0
+               for c in choices[0].values()), choices
     for out, _ in results:
         assert all(placed for _, placed, _, _ in out), out
 
