@@ -35,8 +35,9 @@ ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES = 256 << 10
 
 def measures_gather_path(size: int, node_size: int, gathered_bytes: int) -> bool:
     """Whether the gloo transport of a group of `size` ranks, `node_size` per node, chooses
-    how to gather `gathered_bytes` by timing both paths (GatherPaths); where not, it gathers
-    by the all-to-all."""
+    how to gather `gathered_bytes` of host tensors by timing both paths (GatherPaths); where
+    not, it gathers them by the all-to-all (a group without a gather ProcessGroup, or GPU
+    tensors: always the ProcessGroup's own all-gather)."""
     spans_tiers = 1 < node_size < size
     return spans_tiers and gathered_bytes > ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES
 
@@ -44,6 +45,11 @@ def measures_gather_path(size: int, node_size: int, gathered_bytes: int) -> bool
 def gather_band(gathered_bytes: int) -> int:
     """The size band k of a gather: gathered bytes in (4^(k-1), 4^k]."""
     return (max(1, gathered_bytes) - 1).bit_length() + 1 >> 1
+
+
+def band_bounds(band: int) -> tuple:
+    """(low, high): a band's gathered bytes are in (low, high]."""
+    return 4 ** (band - 1), 4 ** band
 
 
 class GatherPaths:
@@ -55,11 +61,20 @@ class GatherPaths:
     both took the all-to-all (auto suite, 3 x 2 at 10 Gbit/s: 31 against the ring's 20 ms at
     2 MB, where 8 MB took 32). Every rank runs the same gathers and holds the same choice;
     results are identical either way (a gather moves bytes unchanged). Only a band's first
-    gather pays: 4 gathers and a 16-byte all-reduce."""
+    gather pays: 3 gathers more than the call's one, and a 16-byte all-reduce (neither
+    counted in qcoll.stats())."""
 
     def __init__(self):
-        self.chosen = {}  # band -> True (all-to-all) / False (ring)
-        self.trials = {}  # band -> (ring, all-to-all): the agreed seconds it was chosen by
+        # band -> (by all-to-all, ring s, all-to-all s): one record, set at once, so that
+        # a reader on another thread never sees half of it.
+        self.chosen = {}
+
+    def describe(self) -> dict:
+        """{(low, high): {"path": "all_to_all" | "ring", "measured_s": {"ring": s,
+        "all_to_all": s}}} for gathered bytes in (low, high]."""
+        return {band_bounds(band): {"path": "all_to_all" if by_all_to_all else "ring",
+                                    "measured_s": {"ring": ring, "all_to_all": all_to_all}}
+                for band, (by_all_to_all, ring, all_to_all) in sorted(dict(self.chosen).items())}
 
     def choose(self, gather, agree, band: int) -> bool:
         """gather(by_all_to_all) runs the gather once; agree(tensor) all-reduces it (MAX)
@@ -70,8 +85,8 @@ class GatherPaths:
         times = torch.tensor([best[False], best[True]], dtype=torch.float64)
         agree(times)
         ring, all_to_all = times.tolist()
-        self.chosen[band] = choice = all_to_all < ring
-        self.trials[band] = (ring, all_to_all)
+        choice = all_to_all < ring
+        self.chosen[band] = (choice, ring, all_to_all)
         return choice
 
 
@@ -139,6 +154,7 @@ class ProcessGroupTransport:
 
     def all_gather(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
         send, recv = buffers.pair(send_id, send_off, nbytes, recv_id, recv_off, self.size * nbytes, nbytes)
+        measured = None  # the band this gather chose a path for
         try:
             if self.gather_pg is None or send.device.type != "cpu":
                 self._gather(recv, send, False)
@@ -146,14 +162,17 @@ class ProcessGroupTransport:
                 self._gather(recv, send, True)
             else:
                 band = gather_band(self.size * nbytes)
-                by_all_to_all = self.gather_paths.chosen.get(band)
-                if by_all_to_all is None:  # the band's first gather: the trials leave it in recv
-                    self.gather_paths.choose(lambda path: self._gather(recv, send, path), self._agree, band)
-                    self._log_choice(band)
+                chosen = self.gather_paths.chosen.get(band)
+                if chosen is None:  # the band's first gather: the trials leave it in recv
+                    agree = lambda values: self._all_reduce(values, dist.ReduceOp.MAX)  # noqa: E731
+                    self.gather_paths.choose(lambda path: self._gather(recv, send, path), agree, band)
+                    measured = band
                 else:
-                    self._gather(recv, send, by_all_to_all)
+                    self._gather(recv, send, chosen[0])
         except Exception as exc:  # noqa: BLE001
             raise self._failed("all-gather", exc) from exc
+        if measured is not None:
+            self._log_choice(measured)  # outside the try: a failed print must not fail one rank
 
     def _gather(self, recv, send, by_all_to_all: bool):
         if by_all_to_all and self._direct:
@@ -169,18 +188,22 @@ class ProcessGroupTransport:
     def _log_choice(self, band: int):
         if "transport" not in os.environ.get("QCOLL_LOG", "").split(",") or self.pg.rank() != 0:
             return
-        ring, all_to_all = self.gather_paths.trials[band]
-        path = "the all-to-all" if self.gather_paths.chosen[band] else "gloo's ring"
-        print(f"qcoll transport: all-gathers of ({4 ** (band - 1) >> 10}, {4 ** band >> 10}] KB "
-              f"over {self.label} by {path} (measured: ring {ring * 1e3:.2f} ms, all-to-all "
-              f"{all_to_all * 1e3:.2f} ms)", file=sys.stderr, flush=True)
+        by_all_to_all, ring, all_to_all = self.gather_paths.chosen[band]
+        low, high = band_bounds(band)
+        path = "the all-to-all" if by_all_to_all else "gloo's ring"
+        try:
+            print(f"qcoll transport: all-gathers of ({low >> 10}, {high >> 10}] KB over {self.label} by "
+                  f"{path} (measured: ring {ring * 1e3:.2f} ms, all-to-all {all_to_all * 1e3:.2f} ms)",
+                  file=sys.stderr, flush=True)
+        except OSError:
+            pass  # a closed stderr: the log is lost, the call is not
 
-    def _agree(self, values):
-        """values all-reduced (MAX) in place over the group."""
+    def _all_reduce(self, values, reduce):
+        """values all-reduced in place over the ProcessGroup."""
         if self._direct:
-            self.pg.allreduce([values], self._options(c10d.AllreduceOptions, dist.ReduceOp.MAX)).wait()
+            self.pg.allreduce([values], self._options(c10d.AllreduceOptions, reduce)).wait()
         else:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.pg)
+            dist.all_reduce(values, op=reduce, group=self.pg)
 
     def _replicated(self, send):
         """`send` once per rank, one after the other (the all-to-all's input)."""
@@ -214,10 +237,7 @@ class ProcessGroupTransport:
         native_avg = op == _AVG and self.is_nccl
         reduce = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
         try:
-            if self._direct:
-                self.pg.allreduce([values], self._options(c10d.AllreduceOptions, reduce)).wait()
-            else:
-                dist.all_reduce(values, op=reduce, group=self.pg)
+            self._all_reduce(values, reduce)
         except Exception as exc:  # noqa: BLE001
             raise self._failed("all-reduce", exc) from exc
         if op == _AVG and not native_avg:

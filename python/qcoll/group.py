@@ -164,14 +164,10 @@ class Group:
         """How this group's gloo transport gathers the size bands it chose by measuring
         (past 256 KB gathered, over nodes of several ranks): {(low, high): {"path":
         "all_to_all" or "ring", "measured_s": {"ring": s, "all_to_all": s}}} for gathered
-        bytes in (low, high], the agreed (slowest rank's) times; the same on every rank."""
+        bytes in (low, high], the agreed (slowest rank's) times; the same on every rank
+        once no call is in flight."""
         paths = getattr(self._transport, "gather_paths", None)
-        if paths is None:
-            return {}
-        return {(4 ** (band - 1), 4 ** band): {
-                    "path": "all_to_all" if chosen else "ring",
-                    "measured_s": dict(zip(("ring", "all_to_all"), paths.trials[band]))}
-                for band, chosen in sorted(paths.chosen.items())}
+        return {} if paths is None else paths.describe()
 
     def communicator(self, device: torch.device):
         """The C++ communicator for a call on `device`."""

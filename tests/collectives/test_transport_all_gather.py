@@ -83,9 +83,9 @@ def test_every_rank_lands_at_its_offset(world):
 
 
 # Scripted trial times (seconds) per rank, in the trials' order: ring, all-to-all,
-# all-to-all, ring.
-APART = {0: (0.010, 0.002, 0.003, 0.011), 1: (0.003, 0.005, 0.006, 0.004),
-         2: (0.003, 0.004, 0.004, 0.003), 3: (0.003, 0.006, 0.005, 0.004)}
+# all-to-all, ring. APART: rank 0 times the all-to-all fastest by far, the others the ring.
+APART = {0: (0.010, 0.002, 0.003, 0.011)}
+OTHERS = (0.003, 0.005, 0.006, 0.004)
 
 
 def _measured(rank, world, script):
@@ -99,15 +99,16 @@ def _measured(rank, world, script):
     def timed(gather, by_all_to_all):
         seconds = real_timed(gather, by_all_to_all)  # the gather runs: every rank's collectives pair up
         trials.append(by_all_to_all)
-        return script[rank][(len(trials) - 1) % 4] if script else seconds
+        return script.get(rank, OTHERS)[(len(trials) - 1) % 4] if script else seconds
     tt._timed = timed
     seen = []
     original, tt.ProcessGroupTransport._replicated = _recording(seen)
     limit = tt.ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES
     out = []
     try:
-        # Two bands past the limit, each gathered twice; the second band's size twice over.
-        for numel in (limit // 4 // world + 5, limit // 4 // world + 9, 4 * limit // 4 // world + 3):
+        # Just within the limit (no trials), then two bands past it, the first gathered twice.
+        for numel in (limit // 4 // world, limit // 4 // world + 5, limit // 4 // world + 9,
+                      4 * limit // 4 // world + 3):
             base = torch.arange(world * numel, dtype=torch.float32)
             full = torch.full((world * numel,), float("nan"))
             before, trials_before = len(seen), len(trials)
@@ -122,20 +123,22 @@ def _measured(rank, world, script):
     return out, chosen
 
 
-def test_past_the_limit_over_nodes_the_faster_path_measured_is_taken_on_every_rank():
-    """Ranks 1-3 time the ring faster, rank 0 the all-to-all by far: the slowest rank's
+@pytest.mark.parametrize("world", [4, 6])  # 2 and 3 nodes of 2 ranks
+def test_past_the_limit_over_nodes_the_faster_path_measured_is_taken_on_every_rank(world):
+    """Rank 0 times the all-to-all fastest by far, the others the ring: the slowest rank's
     times decide (each path's faster trial per rank: ring 10 ms, all-to-all 5 ms), so every
-    rank takes the all-to-all, measured once per size band."""
-    results = run_ranks(4, _measured, APART, timeout=120)
+    rank takes the all-to-all, measured once per size band; within the limit, no trials."""
+    results = run_ranks(world, _measured, APART, timeout=120)
     band = tt.gather_band
     for out, chosen in results:
-        assert [placed for _, placed, _, _ in out] == [True] * 3, out
-        (n1, _, via1, trials1), (n2, _, via2, trials2), (n3, _, via3, trials3) = out
-        assert band(4 * 4 * n1) == band(4 * 4 * n2) != band(4 * 4 * n3)
+        assert [placed for _, placed, _, _ in out] == [True] * 4, out
+        (n0, _, via0, trials0), (n1, _, _, trials1), (n2, _, via2, trials2), (n3, _, via3, trials3) = out
+        assert 4 * world * n0 <= tt.ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES and via0 and trials0 == []
+        assert band(4 * world * n1) == band(4 * world * n2) != band(4 * world * n3)
         assert trials1 == trials3 == [False, True, True, False] and trials2 == []
         assert via2 and via3  # the chosen all-to-all (the first gather's trials went both ways)
         agreed = {"path": "all_to_all", "measured_s": {"ring": 0.010, "all_to_all": 0.005}}
-        assert chosen == {(4 ** (band(16 * n) - 1), 4 ** band(16 * n)): agreed for n in (n1, n3)}, chosen
+        assert chosen == {tt.band_bounds(band(4 * world * n)): agreed for n in (n1, n3)}, chosen
 
 
 def test_each_path_counts_its_faster_trial_and_a_tie_keeps_the_ring():
@@ -145,7 +148,7 @@ def test_each_path_counts_its_faster_trial_and_a_tie_keeps_the_ring():
     tie = {r: (0.009, 0.009, 0.009, 0.009) for r in range(4)}
     for script in (second_ring, tie):
         for out, chosen in run_ranks(4, _measured, script, timeout=120):
-            (_, placed, _, trials), (_, _, via2, none), _ = out
+            _, (_, placed, _, trials), (_, _, via2, none), _ = out
             assert placed and trials == [False, True, True, False] and none == [], out
             assert not via2 and {c["path"] for c in chosen.values()} == {"ring"}, (script, out, chosen)
 
@@ -162,12 +165,40 @@ def test_measured_unscripted_every_rank_agrees():
         assert all(placed for _, placed, _, _ in out), out
 
 
+def _logged(rank, world):
+    """What QCOLL_LOG=transport writes to this rank's stderr over two gathers of one band."""
+    import io
+    import sys
+    os.environ["QCOLL_LOG"] = "transport"
+    captured = sys.stderr = io.StringIO()
+    g = qcoll.new_group(node_size=2)
+    numel = tt.ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES // 4 // world + 5
+    full = torch.empty(world * numel)
+    for _ in range(2):
+        qcoll.quantized_allgather(full, torch.ones(numel), g, bits=None)
+    paths = g.gather_paths
+    g.close()
+    sys.stderr = sys.__stderr__
+    return captured.getvalue(), paths
+
+
+def test_each_choice_is_logged_once_on_rank_zero():
+    results = run_ranks(4, _logged, timeout=120)
+    (text, paths), others = results[0], results[1:]
+    ((low, high), chosen), = paths.items()
+    path = "the all-to-all" if chosen["path"] == "all_to_all" else "gloo's ring"
+    lines = [line for line in text.splitlines() if line.startswith("qcoll transport:")]
+    assert len(lines) == 1 and f"({low >> 10}, {high >> 10}] KB" in lines[0] and f"by {path}" in lines[0], text
+    assert all("qcoll transport:" not in t for t, _ in others)
+
+
 def test_the_rule():
     limit = tt.ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES
     assert not tt.measures_gather_path(6, 6, 1 << 30) and not tt.measures_gather_path(6, 1, 1 << 30)
     assert not tt.measures_gather_path(6, 2, limit) and tt.measures_gather_path(6, 2, limit + 1)
     # Bands of 4x: (4^(k-1), 4^k] bytes.
     assert [tt.gather_band(b) for b in (4 ** 9, 4 ** 9 + 1, 4 ** 10, 4 ** 10 + 1)] == [9, 10, 10, 11]
+    assert tt.band_bounds(10) == (4 ** 9, 4 ** 10)
 
 
 def _threads() -> int:
