@@ -31,6 +31,13 @@ _KEEP_REPLICAS_BYTES = 64 << 20
 # loopback the all-to-all took 152-159 against the ring's 260-264 ms for 64 MB of bf16 on
 # 3 x 2; on a slow link the extra bytes cost more), so the transport measures (GatherPaths).
 ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES = 256 << 10
+# From this many gathered bytes the all-to-all pattern is posted as send/recv pairs of the
+# rank's bytes to every peer (gather_pg.send/recv) rather than one all-to-all of a buffer
+# holding them once per rank: the copy into that buffer writes all the gathered bytes again.
+# 6 gloo ranks, bf16 (pairs / all-to-all with the copy): 64 MB 99-110 / 142-156 ms, 16 MB
+# 31 / 38 ms, 4 MB 5.6 / 6.6 ms; 1 MB 4.5 / 3.7 ms, where the pairs' 2 (size - 1) posted
+# operations cost more than the copy (bench/results/probe-gloo-gather-pairs-cpu.txt).
+PAIRS_GATHER_MIN_BYTES = 4 << 20
 
 
 def measures_gather_path(size: int, node_size: int, gathered_bytes: int) -> bool:
@@ -106,10 +113,11 @@ class ProcessGroupTransport:
     every rank: 117-162 against 261-290 ms for 64 MB on 6 ranks, 0.7-0.8x from 1 KB on 4
     (bench/results/probe-gloo-all-gather-a2a-cpu.txt); over nodes of several ranks, up to
     ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES, and past it by whichever path measured faster at the
-    size band's first gather (GatherPaths). On the ProcessGroup of the other
-    exchanges it slowed the gloo all-reduces after it (1.03x -> 1.38-1.42x torch's at 4 MB on
-    2 x 2, like the send/recv pairs of abcf3d3; cause not found); on a group of its own it
-    does not."""
+    size band's first gather (GatherPaths); from PAIRS_GATHER_MIN_BYTES the all-to-all
+    pattern is posted as send/recv pairs (no buffer of the bytes once per rank). On the
+    ProcessGroup of the other exchanges it slowed the gloo all-reduces after it (1.03x ->
+    1.38-1.42x torch's at 4 MB on 2 x 2, like the send/recv pairs of abcf3d3; cause not
+    found); on a group of its own it does not, pairs included."""
 
     def __init__(self, pg, label: str, gather_pg=None, node_size: int = 1):
         self.pg = pg
@@ -175,7 +183,9 @@ class ProcessGroupTransport:
             self._log_choice(measured)  # outside the try: a failed print must not fail one rank
 
     def _gather(self, recv, send, by_all_to_all: bool):
-        if by_all_to_all and self._direct:
+        if by_all_to_all and self._direct and recv.numel() * recv.element_size() >= PAIRS_GATHER_MIN_BYTES:
+            self._gather_by_pairs(recv, send)
+        elif by_all_to_all and self._direct:
             self.gather_pg.all_to_all_single(recv, self._replicated(send), [], [],
                                              self._options(c10d.AllToAllOptions)).wait()
         elif by_all_to_all:
@@ -184,6 +194,21 @@ class ProcessGroupTransport:
             self.pg.all_gather_single(recv, send, self._options(c10d.AllgatherOptions)).wait()
         else:
             _all_gather(recv, send, group=self.pg)
+
+    def _gather_by_pairs(self, recv, send):
+        """The all-to-all pattern without the replicated buffer: every receive posted, then
+        `send` itself sent to every peer (peer rank + k receives it while rank - k's bytes
+        arrive, as the all-to-all pairs them), then the rank's own slot copied."""
+        pg, size = self.gather_pg, self.size
+        rank = pg.rank()
+        slots = recv.view(size, -1)
+        sources = [(rank - k) % size for k in range(1, size)]
+        works = [pg.recv([slots[source]], source, 0) for source in sources]
+        works += [pg.send([send], (rank + k) % size, 0) for k in range(1, size)]
+        if slots[rank].data_ptr() != send.data_ptr():
+            slots[rank].copy_(send)
+        for work in works:
+            work.wait()
 
     def _log_choice(self, band: int):
         if "transport" not in os.environ.get("QCOLL_LOG", "").split(",") or self.pg.rank() != 0:

@@ -1,10 +1,11 @@
 """The gloo transport's all-gather: an all-to-all of the rank's bytes sent to every rank, on
 a ProcessGroup of its own (ProcessGroupTransport.gather_pg), except past a size limit over
 nodes of several ranks, where each size band takes whichever of it and gloo's ring measured
-faster at its first gather (GatherPaths), the same on every rank. Every rank's bytes land at
-its offset for every dtype the core sends, on either path; the send buffer is kept only up
-to its size limit; a peer that dies or stalls mid-gather is an error within the group's
-timeout."""
+faster at its first gather (GatherPaths), the same on every rank. From
+PAIRS_GATHER_MIN_BYTES the all-to-all pattern is posted as send/recv pairs of the rank's own
+bytes. Every rank's bytes land at its offset for every dtype the core sends, on every path;
+the send buffer is kept only up to its size limit; a peer that dies or stalls mid-gather is
+an error within the group's timeout."""
 
 from __future__ import annotations
 
@@ -123,6 +124,57 @@ def _measured(rank, world, script):
     return out, chosen
 
 
+def _pairs(rank, world, node_size, in_place):
+    """Gathers from PAIRS_GATHER_MIN_BYTES (odd sizes, fp32 and bf16, and an 8-bit one):
+    whether each landed and went through the pairs, with the shard a view of the output's
+    own slot when in_place."""
+    g = qcoll.new_group(node_size=node_size)
+    calls = []
+    original = tt.ProcessGroupTransport._gather_by_pairs
+
+    def pairs(self, recv, send):
+        calls.append(recv.numel() * recv.element_size())
+        return original(self, recv, send)
+    tt.ProcessGroupTransport._gather_by_pairs = pairs
+    out = []
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            numel = tt.PAIRS_GATHER_MIN_BYTES // dtype.itemsize // world + 3
+            base = torch.arange(world * numel, dtype=torch.float64).remainder(251).to(dtype)
+            full = torch.full((world * numel,), float("nan"), dtype=dtype)
+            mine = slice(rank * numel, (rank + 1) * numel)
+            if in_place:
+                full[mine] = base[mine]
+                shard = full[mine]
+            else:
+                shard = base[mine].clone()
+            before = len(calls)
+            for _ in range(2):  # spanning groups: the band's trials, then its chosen path
+                qcoll.quantized_allgather(full, shard, g, bits=None)
+            out.append((str(dtype), torch.equal(full, base), len(calls) > before))
+        numel = tt.PAIRS_GATHER_MIN_BYTES // world + 5  # an 8-bit gather's codes, a little over
+        xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+        q = torch.empty(world * numel)
+        before = len(calls)
+        qcoll.quantized_allgather(q, xs[rank], g, bits=8)
+        every = torch.cat(xs)
+        out.append(("int8", bool((q - every).abs().max() <= every.abs().max() / 100), len(calls) > before))
+    finally:
+        tt.ProcessGroupTransport._gather_by_pairs = original
+    g.close()
+    return out
+
+
+@pytest.mark.parametrize("world,node_size,in_place", [(3, 3, False), (3, 3, True), (4, 2, True)])
+def test_from_the_pairs_size_every_rank_lands_at_its_offset(world, node_size, in_place):
+    """One node: the all-to-all pattern, as pairs from their size. 2 x 2: whichever path the
+    band measured faster, the trials ran the pairs."""
+    for out in run_ranks(world, _pairs, node_size, in_place, timeout=120):
+        for what, placed, through_pairs in out:
+            assert placed, (what, out)
+            assert through_pairs, (what, out)
+
+
 @pytest.mark.parametrize("world", [4, 6])  # 2 and 3 nodes of 2 ranks
 def test_past_the_limit_over_nodes_the_faster_path_measured_is_taken_on_every_rank(world):
     """Rank 0 times the all-to-all fastest by far, the others the ring: the slowest rank's
@@ -205,20 +257,22 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _dies_in_the_gather(rank, world, how):
+def _dies_in_the_gather(rank, world, how, numel):
     g = qcoll.new_group(node_size=world, timeout=timedelta(seconds=TIMEOUT))
-    shard = torch.ones(4096)
-    full = torch.empty(world * 4096)
+    shard = torch.ones(numel)
+    full = torch.empty(world * numel)
     qcoll.quantized_allgather(full, shard, g, bits=None)  # warm: connections, worker
     threads = _threads()
     if rank == world - 1:
+        # The all-to-all's send buffer, or the pairs, never reached.
+        posts = "_replicated" if world * numel * 4 < tt.PAIRS_GATHER_MIN_BYTES else "_gather_by_pairs"
         if how == "dies":  # posts nothing, gone
-            tt.ProcessGroupTransport._replicated = lambda *a: os._exit(0)
+            setattr(tt.ProcessGroupTransport, posts, lambda *a: os._exit(0))
         else:  # alive, but its sends never come
             def stall(*args):
                 time.sleep(TIMEOUT + SLACK + 2)
                 os._exit(0)
-            tt.ProcessGroupTransport._replicated = stall
+            setattr(tt.ProcessGroupTransport, posts, stall)
     start = time.monotonic()
     try:
         qcoll.quantized_allgather(full, shard, g, bits=None)
@@ -230,10 +284,11 @@ def _dies_in_the_gather(rank, world, how):
     return elapsed, msg, _threads() - threads
 
 
+@pytest.mark.parametrize("numel", [4096, tt.PAIRS_GATHER_MIN_BYTES // 12], ids=["all_to_all", "pairs"])
 @pytest.mark.parametrize("how", ["dies", "stalls"])
-def test_a_peer_lost_mid_gather_is_an_error_within_the_timeout(how):
+def test_a_peer_lost_mid_gather_is_an_error_within_the_timeout(how, numel):
     world = 3
-    results = run_ranks(world, _dies_in_the_gather, how, timeout=60, dead=(world - 1,))
+    results = run_ranks(world, _dies_in_the_gather, how, numel, timeout=60, dead=(world - 1,))
     for rank, (elapsed, msg, leaked) in enumerate(results[: world - 1]):
         assert elapsed < TIMEOUT + SLACK, f"rank {rank} raised after {elapsed:.1f} s"
         assert "qcoll.quantized_allgather" in msg and "all-gather over" in msg, msg
