@@ -32,6 +32,12 @@ def agreed_max(group, values: list, device: torch.device) -> list:
 # A calibration point more than this much slower per byte than the one before is measured
 # again (sizes grow 4x; a real call's time per byte grows far less between them).
 _JUMP = 1.5
+# A calibration point more than this much slower per byte than the next size's is measured
+# again: the smaller call carries more fixed cost per byte, but in 7 auto runs at most 1.91x
+# more; a probe whose first size was disturbed (other load on the host) measured 2.5-5.0x,
+# and its predictions ran through those points, 2-3.5x over (bench/results/
+# auto-cpu-disturbed-first-size.json).
+_SLOWER_BEFORE = 2.2
 # A collective's next size is measured only if it ends before the deadline, forecast as its
 # last size's time x _GROWTH: 4x the bytes, up to _JUMP slower per byte (3 x 2 loopback,
 # 8 -> 32 MB: 5.7-6.3x with the warm-up and the inputs' setup).
@@ -221,6 +227,7 @@ class _Series:
     measured: list = dataclasses.field(default_factory=list)
     step_s: float = 0.0
     step_repeats: int = 0
+    again: list = dataclasses.field(default_factory=list)  # per size: measured twice already
 
     def forecast_s(self) -> float:
         """The next size's time: the last's, x _GROWTH, per call measured (warm-up included)."""
@@ -259,18 +266,30 @@ def _calibration(group, model: cm.CostModel, device: torch.device, deadline: flo
                 active.remove(collective)
                 continue
             t0 = time.monotonic()
-            repeats = s.repeats()
+            repeats, before = s.repeats(), (s.step_s, s.step_repeats)
             estimates, measured = _calibration_medians(collective, group, model, s.policies, nbytes, device, repeats)
             s.step_s, s.step_repeats = time.monotonic() - t0, repeats
+            if s.measured and not s.again[-1] \
+                    and any(4 * p > _SLOWER_BEFORE * t for t, p in zip(measured, s.measured[-1])) \
+                    and _fits(group, device, deadline, before[0]):
+                # The size before far slower per byte than this one: that point, not this,
+                # was disturbed (unless it showed twice). It is measured again, the faster
+                # kept, before this size is compared with it.
+                again = _calibration_medians(collective, group, model, s.policies, nbytes // 4, device,
+                                             before[1])[1]
+                s.measured[-1] = [min(a, b) for a, b in zip(s.measured[-1], again)]
+                s.again[-1] = True
+            measured_again = False
             if s.measured and any(t > _JUMP * 4 * p for t, p in zip(measured, s.measured[-1])) \
                     and _fits(group, device, deadline, s.step_s):
                 # Far slower per byte than the size before: measured again, the faster kept.
                 # A lasting effect shows twice; a burst of other load on the host (seen
                 # once: 1.7x at 32 MB) does not, and a prediction runs through this point.
                 again = _calibration_medians(collective, group, model, s.policies, nbytes, device, repeats)[1]
-                measured = [min(a, b) for a, b in zip(measured, again)]
+                measured, measured_again = [min(a, b) for a, b in zip(measured, again)], True
             s.estimates.append(estimates)
             s.measured.append(measured)
+            s.again.append(measured_again)
             if s.done(nbytes):
                 active.remove(collective)
         nbytes *= 4

@@ -31,13 +31,15 @@ _KEEP_REPLICAS_BYTES = 64 << 20
 # loopback the all-to-all took 152-159 against the ring's 260-264 ms for 64 MB of bf16 on
 # 3 x 2; on a slow link the extra bytes cost more), so the transport measures (GatherPaths).
 ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES = 256 << 10
-# From this many gathered bytes the all-to-all pattern is posted as send/recv pairs of the
+# Past this many gathered bytes the all-to-all pattern is posted as send/recv pairs of the
 # rank's bytes to every peer (gather_pg.send/recv) rather than one all-to-all of a buffer
 # holding them once per rank: the copy into that buffer writes all the gathered bytes again.
 # 6 gloo ranks, bf16 (pairs / all-to-all with the copy): 64 MB 99-110 / 142-156 ms, 16 MB
-# 31 / 38 ms, 4 MB 5.6 / 6.6 ms; 1 MB 4.5 / 3.7 ms, where the pairs' 2 (size - 1) posted
-# operations cost more than the copy (bench/results/probe-gloo-gather-pairs-cpu.txt).
-PAIRS_GATHER_MIN_BYTES = 4 << 20
+# 31 / 38 ms, 4 MB 5.6 / 6.6 ms, 2 MB even, 1 MB 4.5 / 3.7 ms: the 2 (size - 1) posted
+# operations cost more than the copy there (bench/results/probe-gloo-gather-pairs-cpu.txt).
+# A band edge (gather_band): the band (1 MB, 4 MB] that holds the crossover takes the pairs
+# whole, so that a band's trial (GatherPaths) times the path its later gathers take.
+PAIRS_GATHER_ABOVE_BYTES = 1 << 20
 
 
 def measures_gather_path(size: int, node_size: int, gathered_bytes: int) -> bool:
@@ -97,6 +99,16 @@ class GatherPaths:
         return choice
 
 
+def _sends_apart(send, recv, rank: int) -> bool:
+    """Whether `send` is either the rank's own slot of `recv` or apart from all of recv, as
+    the pairs need (they send `send` itself while the peers' bytes land in recv; the
+    all-to-all copies it first, so it takes any overlap)."""
+    nbytes = send.numel() * send.element_size()
+    start, end = send.data_ptr(), send.data_ptr() + nbytes
+    low = recv.data_ptr()
+    return start == low + rank * nbytes or end <= low or start >= low + recv.numel() * recv.element_size()
+
+
 def _timed(gather, by_all_to_all: bool) -> float:
     start = time.perf_counter()
     gather(by_all_to_all)
@@ -113,7 +125,7 @@ class ProcessGroupTransport:
     every rank: 117-162 against 261-290 ms for 64 MB on 6 ranks, 0.7-0.8x from 1 KB on 4
     (bench/results/probe-gloo-all-gather-a2a-cpu.txt); over nodes of several ranks, up to
     ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES, and past it by whichever path measured faster at the
-    size band's first gather (GatherPaths); from PAIRS_GATHER_MIN_BYTES the all-to-all
+    size band's first gather (GatherPaths); past PAIRS_GATHER_ABOVE_BYTES the all-to-all
     pattern is posted as send/recv pairs (no buffer of the bytes once per rank). On the
     ProcessGroup of the other exchanges it slowed the gloo all-reduces after it (1.03x ->
     1.38-1.42x torch's at 4 MB on 2 x 2, like the send/recv pairs of abcf3d3; cause not
@@ -183,7 +195,8 @@ class ProcessGroupTransport:
             self._log_choice(measured)  # outside the try: a failed print must not fail one rank
 
     def _gather(self, recv, send, by_all_to_all: bool):
-        if by_all_to_all and self._direct and recv.numel() * recv.element_size() >= PAIRS_GATHER_MIN_BYTES:
+        if by_all_to_all and recv.numel() * recv.element_size() > PAIRS_GATHER_ABOVE_BYTES \
+                and _sends_apart(send, recv, self.gather_pg.rank()):
             self._gather_by_pairs(recv, send)
         elif by_all_to_all and self._direct:
             self.gather_pg.all_to_all_single(recv, self._replicated(send), [], [],

@@ -178,29 +178,39 @@ def test_calibration_runs_through_its_points():
             Calibration(0.0, 1.0, bad)
 
 
-def test_calibration_measures_a_jump_again_and_keeps_the_faster(monkeypatch):
-    # Scripted medians: time = 1 ns per byte, except the first 8 MB measurement of the
-    # all-gather, 10x (a burst of other load): measured again, the faster (second) kept; the
-    # reduce-scatter's 8 MB at 7x, then 9x: the faster (first) kept. A real jump (the
-    # all-reduce's 8 MB at 2x per byte) is measured again too, and stays.
+def _calibrate_scripted(monkeypatch, slower):
+    """The calibration over scripted medians of 1 ns per byte, x slower(collective, bytes,
+    how many times that size was measured so far, this one included), every rank's values
+    its own: (the medians asked for as (collective, bytes, repeats), the calibration)."""
     from qcoll import _cost_probe
 
     seen = []
 
     def medians(collective, group, model, policies, nbytes, device, repeats):
-        seen.append((collective, nbytes))
-        t = nbytes * 1e-9
-        if collective == "allgather" and nbytes == 8 << 20 and seen.count(("allgather", 8 << 20)) == 1:
-            t *= 10
-        if collective == "reduce_scatter" and nbytes == 8 << 20:
-            t *= 7 if seen.count(("reduce_scatter", 8 << 20)) == 1 else 9
-        if collective == "all_reduce" and nbytes >= 8 << 20:
-            t *= 2
+        seen.append((collective, nbytes, repeats))
+        count = sum(1 for c, b, _ in seen if (c, b) == (collective, nbytes))
+        t = nbytes * 1e-9 * slower(collective, nbytes, count)
         return [nbytes * 1e-10] * len(policies), [t] * len(policies)
 
     monkeypatch.setattr(_cost_probe, "_calibration_medians", medians)
     monkeypatch.setattr(_cost_probe, "agreed_max", lambda group, values, device: values)
-    cal = _cost_probe._calibration(None, synthetic(), torch.device("cpu"), time.monotonic() + 60)
+    return seen, _cost_probe._calibration(None, synthetic(), torch.device("cpu"), time.monotonic() + 60)
+
+
+def test_calibration_measures_a_jump_again_and_keeps_the_faster(monkeypatch):
+    # Scripted medians: time = 1 ns per byte, except the first 8 MB measurement of the
+    # all-gather, 10x (a burst of other load): measured again, the faster (second) kept; the
+    # reduce-scatter's 8 MB at 7x, then 9x: the faster (first) kept. A real jump (the
+    # all-reduce's 8 MB at 2x per byte) is measured again too, and stays.
+    def slower(collective, nbytes, count):
+        if collective == "allgather" and nbytes == 8 << 20 and count == 1:
+            return 10
+        if collective == "reduce_scatter" and nbytes == 8 << 20:
+            return 7 if count == 1 else 9
+        return 2 if collective == "all_reduce" and nbytes >= 8 << 20 else 1
+
+    seen, cal = _calibrate_scripted(monkeypatch, slower)
+    seen = [(c, b) for c, b, _ in seen]
     mb = 1 << 20
     sizes = [2 * mb, 8 * mb, 32 * mb]  # 4x from 2 MB, the next (128 MB) past the cap
     # In rounds: every collective measures a size before any measures the next; a jump twice.
@@ -213,6 +223,44 @@ def test_calibration_measures_a_jump_again_and_keeps_the_faster(monkeypatch):
         [b * 1e-9 * (7 if b == 8 * mb else 1) for b in sizes])
     assert [m for _, m in cal["all_reduce/uncompressed"].points] == pytest.approx(
         [b * 1e-9 * (2 if b >= 8 * mb else 1) for b in sizes])
+
+
+def test_calibration_measures_a_disturbed_size_before_again(monkeypatch):
+    # Scripted medians, 1 ns per byte, except at 2 MB: the all-gather's first measurement
+    # at 5x per byte (the host busy at the probe's start), its second at 1x: measured again
+    # once the 8 MB point shows it, the faster kept. The reduce-scatter's 2 MB at 2x per byte
+    # (fixed cost, within _SLOWER_BEFORE): not measured again. The all-reduce's 2 MB at 3x
+    # both times (a real fixed cost past the threshold): measured again, and stays.
+    def slower(collective, nbytes, count):
+        if nbytes != 2 << 20:
+            return 1
+        return {"allgather": 5 if count == 1 else 1, "reduce_scatter": 2, "all_reduce": 3}[collective]
+
+    seen, cal = _calibrate_scripted(monkeypatch, slower)
+    seen = [(c, b) for c, b, _ in seen]
+    mb = 1 << 20
+    assert seen[3:8] == [("allgather", 8 * mb), ("allgather", 2 * mb), ("reduce_scatter", 8 * mb),
+                         ("all_reduce", 8 * mb), ("all_reduce", 2 * mb)], seen
+    assert [m for _, m in cal["allgather/uncompressed"].points][:2] == pytest.approx([2e-9 * mb, 8e-9 * mb])
+    assert [m for _, m in cal["reduce_scatter/uncompressed"].points][:2] == pytest.approx([4e-9 * mb, 8e-9 * mb])
+    assert [m for _, m in cal["all_reduce/uncompressed"].points][:2] == pytest.approx([6e-9 * mb, 8e-9 * mb])
+
+
+def test_calibration_compares_a_size_with_the_size_before_corrected(monkeypatch):
+    # The all-gather's 2 MB first at 5x per byte (disturbed), then 1x; its 8 MB at 1.6x per
+    # byte both times (a real jump, past _JUMP only against the corrected 2 MB): the 2 MB
+    # point measured again (with its own 7 timed calls), then the 8 MB one, both kept as
+    # measured the second time.
+    def slower(collective, nbytes, count):
+        if collective == "allgather" and nbytes == 2 << 20:
+            return 5 if count == 1 else 1
+        return 1.6 if collective == "allgather" and nbytes == 8 << 20 else 1
+
+    seen, cal = _calibrate_scripted(monkeypatch, slower)
+    mb = 1 << 20
+    assert [x for x in seen if x[0] == "allgather"][:4] == [
+        ("allgather", 2 * mb, 7), ("allgather", 8 * mb, 7), ("allgather", 2 * mb, 7), ("allgather", 8 * mb, 7)]
+    assert [m for _, m in cal["allgather/uncompressed"].points][:2] == pytest.approx([2e-9 * mb, 1.6 * 8e-9 * mb])
 
 
 def test_calibration_stops_at_the_budget_with_one_point(monkeypatch):

@@ -1,9 +1,9 @@
 """The gloo transport's all-gather: an all-to-all of the rank's bytes sent to every rank, on
 a ProcessGroup of its own (ProcessGroupTransport.gather_pg), except past a size limit over
 nodes of several ranks, where each size band takes whichever of it and gloo's ring measured
-faster at its first gather (GatherPaths), the same on every rank. From
-PAIRS_GATHER_MIN_BYTES the all-to-all pattern is posted as send/recv pairs of the rank's own
-bytes. Every rank's bytes land at its offset for every dtype the core sends, on every path;
+faster at its first gather (GatherPaths), the same on every rank. Past
+PAIRS_GATHER_ABOVE_BYTES the all-to-all pattern is posted as send/recv pairs of the rank's
+own bytes (unless those overlap the output elsewhere than in their own slot). Every rank's bytes land at its offset for every dtype the core sends, on every path;
 the send buffer is kept only up to its size limit; a peer that dies or stalls mid-gather is
 an error within the group's timeout."""
 
@@ -25,20 +25,31 @@ SLACK = 6.0  # spawn jitter on a shared 2-core machine
 
 
 def _recording(seen: list):
-    """ProcessGroupTransport._replicated, recording the transport and the bytes it sends."""
-    original = tt.ProcessGroupTransport._replicated
+    """Patches the two ways the all-to-all pattern posts (ProcessGroupTransport._replicated,
+    _gather_by_pairs) to record (transport, bytes sent to each rank, "all_to_all" or
+    "pairs"); returns the function that restores them."""
+    cls = tt.ProcessGroupTransport
+    replicated, pairs = cls._replicated, cls._gather_by_pairs
 
-    def replicated(self, send):
-        seen.append((self, send.numel() * send.element_size()))
-        return original(self, send)
-    return original, replicated
+    def recorded_replicated(self, send):
+        seen.append((self, send.numel() * send.element_size(), "all_to_all"))
+        return replicated(self, send)
+
+    def recorded_pairs(self, recv, send):
+        seen.append((self, send.numel() * send.element_size(), "pairs"))
+        return pairs(self, recv, send)
+    cls._replicated, cls._gather_by_pairs = recorded_replicated, recorded_pairs
+
+    def restore():
+        cls._replicated, cls._gather_by_pairs = replicated, pairs
+    return restore
 
 
 def _gather(rank, world, sizes, keep_bytes, node_size):
     tt._KEEP_REPLICAS_BYTES = keep_bytes
     g = qcoll.new_group(node_size=node_size)  # the flat group's transport: bits=None, bits=8
     seen = []
-    original, tt.ProcessGroupTransport._replicated = _recording(seen)
+    restore = _recording(seen)
     out = []
     try:
         for numel in sizes:
@@ -49,8 +60,8 @@ def _gather(rank, world, sizes, keep_bytes, node_size):
                 before = len(seen)
                 qcoll.quantized_allgather(full, shard, g, bits=None)
                 # The payload's exchange (not the 32-byte call check of a new signature).
-                through = any(b >= numel * dtype.itemsize for _, b in seen[before:])
-                kept = seen[-1][0]._replicas.numel() if seen else None
+                through = {how for _, b, how in seen[before:] if b >= numel * dtype.itemsize}
+                kept = seen[-1][0]._replicas.numel() if seen[-1][0]._replicas is not None else None
                 out.append((numel, str(dtype), torch.equal(full, base), through, kept))
             # A quantized all-gather: its codes travel through the same exchange.
             xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
@@ -59,25 +70,26 @@ def _gather(rank, world, sizes, keep_bytes, node_size):
             qcoll.quantized_allgather(q, xs[rank], g, bits=8)
             every = torch.cat(xs)
             close = bool((q - every).abs().max() <= every.abs().max() / 100)
-            out.append((numel, "int8", close, any(b >= numel for _, b in seen[before:]),
+            out.append((numel, "int8", close, {how for _, b, how in seen[before:] if b >= numel},
                         seen[-1][0]._replicas.numel()))
-        distinct = all(t.gather_pg is not None and t.gather_pg is not t.pg for t, _ in seen)
+        distinct = all(t.gather_pg is not None and t.gather_pg is not t.pg for t, _, _ in seen)
     finally:
-        tt.ProcessGroupTransport._replicated = original
+        restore()
     g.close()
     return out, distinct
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_rank_lands_at_its_offset(world):
-    small, large = 1000, (1 << 20) // 4 // world + 17  # odd sizes: unaligned chunk tails
+    # Odd sizes (unaligned chunk tails), the large one just within the pairs' limit as fp32.
+    small, large = 1000, tt.PAIRS_GATHER_ABOVE_BYTES // 4 // world - 17
     keep = 64 << 10  # the small gathers' buffer is kept, the large ones' is not
     results = run_ranks(world, _gather, [small, large], keep, world, timeout=120)
     for out, distinct in results:
         assert distinct, "the all-gathers must run on a ProcessGroup of their own"
-        for numel, dtype, placed, through_all_to_all, kept in out:
+        for numel, dtype, placed, through, kept in out:
             assert placed, (numel, dtype)
-            assert through_all_to_all, (numel, dtype)  # one node: always
+            assert through == {"all_to_all"}, (numel, dtype, through)  # one node: always
             # Kept: the first (small) gather's buffer; the large ones' (over `keep`) are
             # allocated per call and dropped.
             assert kept == world * small * 4, (numel, dtype, kept)
@@ -103,7 +115,7 @@ def _measured(rank, world, script):
         return script.get(rank, OTHERS)[(len(trials) - 1) % 4] if script else seconds
     tt._timed = timed
     seen = []
-    original, tt.ProcessGroupTransport._replicated = _recording(seen)
+    restore = _recording(seen)
     limit = tt.ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES
     out = []
     try:
@@ -114,32 +126,29 @@ def _measured(rank, world, script):
             full = torch.full((world * numel,), float("nan"))
             before, trials_before = len(seen), len(trials)
             qcoll.quantized_allgather(full, base[rank * numel:(rank + 1) * numel].clone(), g, bits=None)
-            through = any(b >= numel * 4 for _, b in seen[before:])
+            # Through the all-to-all pattern (its copy, or past the pairs' limit its pairs).
+            through = any(b >= numel * 4 for _, b, _ in seen[before:])
             out.append((numel, torch.equal(full, base), through, list(trials[trials_before:])))
         chosen = g.gather_paths
     finally:
-        tt.ProcessGroupTransport._replicated = original
+        restore()
         tt._timed = real_timed
     g.close()
     return out, chosen
 
 
 def _pairs(rank, world, node_size, in_place):
-    """Gathers from PAIRS_GATHER_MIN_BYTES (odd sizes, fp32 and bf16, and an 8-bit one):
-    whether each landed and went through the pairs, with the shard a view of the output's
-    own slot when in_place."""
+    """Gathers past PAIRS_GATHER_ABOVE_BYTES (odd sizes, fp32 and bf16, and an 8-bit one):
+    whether each landed and how it was posted, with the shard a view of the output's own
+    slot when in_place; then one whose shard is another rank's slot (its bytes overlap the
+    output elsewhere): the all-to-all's copy, not the pairs."""
     g = qcoll.new_group(node_size=node_size)
-    calls = []
-    original = tt.ProcessGroupTransport._gather_by_pairs
-
-    def pairs(self, recv, send):
-        calls.append(recv.numel() * recv.element_size())
-        return original(self, recv, send)
-    tt.ProcessGroupTransport._gather_by_pairs = pairs
+    seen = []
+    restore = _recording(seen)
     out = []
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            numel = tt.PAIRS_GATHER_MIN_BYTES // dtype.itemsize // world + 3
+            numel = tt.PAIRS_GATHER_ABOVE_BYTES // dtype.itemsize // world + 3
             base = torch.arange(world * numel, dtype=torch.float64).remainder(251).to(dtype)
             full = torch.full((world * numel,), float("nan"), dtype=dtype)
             mine = slice(rank * numel, (rank + 1) * numel)
@@ -148,31 +157,55 @@ def _pairs(rank, world, node_size, in_place):
                 shard = full[mine]
             else:
                 shard = base[mine].clone()
-            before = len(calls)
+            hows = []
             for _ in range(2):  # spanning groups: the band's trials, then its chosen path
+                before = len(seen)
                 qcoll.quantized_allgather(full, shard, g, bits=None)
-            out.append((str(dtype), torch.equal(full, base), len(calls) > before))
-        numel = tt.PAIRS_GATHER_MIN_BYTES // world + 5  # an 8-bit gather's codes, a little over
+                # The payload's posts (not the call check of a new signature's first call).
+                hows.append({how for _, b, how in seen[before:] if b >= numel * dtype.itemsize})
+            out.append((str(dtype), torch.equal(full, base), hows))
+        numel = tt.PAIRS_GATHER_ABOVE_BYTES // world + 5  # an 8-bit gather's codes, a little over
         xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
         q = torch.empty(world * numel)
-        before = len(calls)
+        before = len(seen)
         qcoll.quantized_allgather(q, xs[rank], g, bits=8)
         every = torch.cat(xs)
-        out.append(("int8", bool((q - every).abs().max() <= every.abs().max() / 100), len(calls) > before))
+        close = bool((q - every).abs().max() <= every.abs().max() / 100)
+        out.append(("int8", close, [{how for _, b, how in seen[before:] if b >= numel}]))
+        if node_size < world:  # the ring's handling of such a shard is gloo's
+            return out
+        # The shard is the next rank's slot of the output, whose bytes it must send intact.
+        numel = tt.PAIRS_GATHER_ABOVE_BYTES // 4 // world + 3
+        base = torch.arange(world * numel, dtype=torch.float32)
+        full = base.clone()
+        theirs = (rank + 1) % world
+        before = len(seen)
+        qcoll.quantized_allgather(full, full[theirs * numel:(theirs + 1) * numel], g, bits=None)
+        expected = base.view(world, numel).roll(-1, 0).reshape(-1)
+        out.append(("overlapping", torch.equal(full, expected), [{how for _, b, how in seen[before:] if b >= numel * 4}]))
     finally:
-        tt.ProcessGroupTransport._gather_by_pairs = original
+        restore()
     g.close()
     return out
 
 
 @pytest.mark.parametrize("world,node_size,in_place", [(3, 3, False), (3, 3, True), (4, 2, True)])
-def test_from_the_pairs_size_every_rank_lands_at_its_offset(world, node_size, in_place):
-    """One node: the all-to-all pattern, as pairs from their size. 2 x 2: whichever path the
-    band measured faster, the trials ran the pairs."""
+def test_past_the_pairs_limit_every_rank_lands_at_its_offset(world, node_size, in_place):
+    """One node: the all-to-all pattern, as pairs past their limit, but for a shard that
+    overlaps the output elsewhere than its own slot (the all-to-all's copy). 2 x 2 (every
+    gather in one size band): the band's first gather (its trials) runs the pairs, the
+    others whichever path measured faster (the ring's not recorded)."""
     for out in run_ranks(world, _pairs, node_size, in_place, timeout=120):
-        for what, placed, through_pairs in out:
-            assert placed, (what, out)
-            assert through_pairs, (what, out)
+        for what, landed, hows in out:
+            assert landed, (what, out)
+            if what == "overlapping":
+                assert hows == [{"all_to_all"}], out
+            elif node_size == world:
+                assert all(how == {"pairs"} for how in hows), (what, out)
+            else:
+                assert all(how <= {"pairs"} for how in hows), (what, out)
+        if node_size < world:
+            assert out[0][2][0] == {"pairs"}, out
 
 
 @pytest.mark.parametrize("world", [4, 6])  # 2 and 3 nodes of 2 ranks
@@ -265,7 +298,7 @@ def _dies_in_the_gather(rank, world, how, numel):
     threads = _threads()
     if rank == world - 1:
         # The all-to-all's send buffer, or the pairs, never reached.
-        posts = "_replicated" if world * numel * 4 < tt.PAIRS_GATHER_MIN_BYTES else "_gather_by_pairs"
+        posts = "_replicated" if world * numel * 4 <= tt.PAIRS_GATHER_ABOVE_BYTES else "_gather_by_pairs"
         if how == "dies":  # posts nothing, gone
             setattr(tt.ProcessGroupTransport, posts, lambda *a: os._exit(0))
         else:  # alive, but its sends never come
@@ -284,7 +317,7 @@ def _dies_in_the_gather(rank, world, how, numel):
     return elapsed, msg, _threads() - threads
 
 
-@pytest.mark.parametrize("numel", [4096, tt.PAIRS_GATHER_MIN_BYTES // 12], ids=["all_to_all", "pairs"])
+@pytest.mark.parametrize("numel", [4096, tt.PAIRS_GATHER_ABOVE_BYTES // 12 + 1], ids=["all_to_all", "pairs"])
 @pytest.mark.parametrize("how", ["dies", "stalls"])
 def test_a_peer_lost_mid_gather_is_an_error_within_the_timeout(how, numel):
     world = 3
