@@ -134,6 +134,7 @@ class ProcessGroupTransport:
     def __init__(self, pg, label: str, gather_pg=None, node_size: int = 1):
         self.pg = pg
         self.gather_pg = gather_pg
+        self.rank = dist.get_rank(pg)  # the same in gather_pg: the same ranks in the same order
         self.node_size = node_size
         self.size = dist.get_world_size(pg)
         self.label = label
@@ -196,7 +197,7 @@ class ProcessGroupTransport:
 
     def _gather(self, recv, send, by_all_to_all: bool):
         if by_all_to_all and recv.numel() * recv.element_size() > PAIRS_GATHER_ABOVE_BYTES \
-                and _sends_apart(send, recv, self.gather_pg.rank()):
+                and _sends_apart(send, recv, self.rank):
             self._gather_by_pairs(recv, send)
         elif by_all_to_all and self._direct:
             self.gather_pg.all_to_all_single(recv, self._replicated(send), [], [],
@@ -212,8 +213,7 @@ class ProcessGroupTransport:
         """The all-to-all pattern without the replicated buffer: every receive posted, then
         `send` itself sent to every peer (peer rank + k receives it while rank - k's bytes
         arrive, as the all-to-all pairs them), then the rank's own slot copied."""
-        pg, size = self.gather_pg, self.size
-        rank = pg.rank()
+        pg, size, rank = self.gather_pg, self.size, self.rank
         slots = recv.view(size, -1)
         sources = [(rank - k) % size for k in range(1, size)]
         works = [pg.recv([slots[source]], source, 0) for source in sources]

@@ -45,6 +45,17 @@ def _recording(seen: list):
     return restore
 
 
+def _quantized_gather(rank, world, numel, g, seen) -> tuple:
+    """An 8-bit all-gather of numel elements per rank (its codes travel through the same
+    exchange): (within 1% of the inputs' range, how its payload was posted)."""
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    q = torch.empty(world * numel)
+    before = len(seen)
+    qcoll.quantized_allgather(q, xs[rank], g, bits=8)
+    every = torch.cat(xs)
+    return bool((q - every).abs().max() <= every.abs().max() / 100), {how for _, b, how in seen[before:] if b >= numel}
+
+
 def _gather(rank, world, sizes, keep_bytes, node_size):
     tt._KEEP_REPLICAS_BYTES = keep_bytes
     g = qcoll.new_group(node_size=node_size)  # the flat group's transport: bits=None, bits=8
@@ -63,15 +74,8 @@ def _gather(rank, world, sizes, keep_bytes, node_size):
                 through = {how for _, b, how in seen[before:] if b >= numel * dtype.itemsize}
                 kept = seen[-1][0]._replicas.numel() if seen[-1][0]._replicas is not None else None
                 out.append((numel, str(dtype), torch.equal(full, base), through, kept))
-            # A quantized all-gather: its codes travel through the same exchange.
-            xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-            q = torch.empty(world * numel)
-            before = len(seen)
-            qcoll.quantized_allgather(q, xs[rank], g, bits=8)
-            every = torch.cat(xs)
-            close = bool((q - every).abs().max() <= every.abs().max() / 100)
-            out.append((numel, "int8", close, {how for _, b, how in seen[before:] if b >= numel},
-                        seen[-1][0]._replicas.numel()))
+            close, through = _quantized_gather(rank, world, numel, g, seen)
+            out.append((numel, "int8", close, through, seen[-1][0]._replicas.numel()))
         distinct = all(t.gather_pg is not None and t.gather_pg is not t.pg for t, _, _ in seen)
     finally:
         restore()
@@ -164,25 +168,20 @@ def _pairs(rank, world, node_size, in_place):
                 # The payload's posts (not the call check of a new signature's first call).
                 hows.append({how for _, b, how in seen[before:] if b >= numel * dtype.itemsize})
             out.append((str(dtype), torch.equal(full, base), hows))
-        numel = tt.PAIRS_GATHER_ABOVE_BYTES // world + 5  # an 8-bit gather's codes, a little over
-        xs = [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-        q = torch.empty(world * numel)
-        before = len(seen)
-        qcoll.quantized_allgather(q, xs[rank], g, bits=8)
-        every = torch.cat(xs)
-        close = bool((q - every).abs().max() <= every.abs().max() / 100)
-        out.append(("int8", close, [{how for _, b, how in seen[before:] if b >= numel}]))
-        if node_size < world:  # the ring's handling of such a shard is gloo's
-            return out
-        # The shard is the next rank's slot of the output, whose bytes it must send intact.
-        numel = tt.PAIRS_GATHER_ABOVE_BYTES // 4 // world + 3
-        base = torch.arange(world * numel, dtype=torch.float32)
-        full = base.clone()
-        theirs = (rank + 1) % world
-        before = len(seen)
-        qcoll.quantized_allgather(full, full[theirs * numel:(theirs + 1) * numel], g, bits=None)
-        expected = base.view(world, numel).roll(-1, 0).reshape(-1)
-        out.append(("overlapping", torch.equal(full, expected), [{how for _, b, how in seen[before:] if b >= numel * 4}]))
+        # An 8-bit gather's codes, a little over the limit.
+        close, through = _quantized_gather(rank, world, tt.PAIRS_GATHER_ABOVE_BYTES // world + 5, g, seen)
+        out.append(("int8", close, [through]))
+        if node_size == world:  # (over nodes the band may take the ring, whose handling is gloo's)
+            # The shard is the next rank's slot of the output, whose bytes it must send intact.
+            numel = tt.PAIRS_GATHER_ABOVE_BYTES // 4 // world + 3
+            base = torch.arange(world * numel, dtype=torch.float32)
+            full = base.clone()
+            theirs = (rank + 1) % world
+            before = len(seen)
+            qcoll.quantized_allgather(full, full[theirs * numel:(theirs + 1) * numel], g, bits=None)
+            expected = base.view(world, numel).roll(-1, 0).reshape(-1)
+            out.append(("overlapping", torch.equal(full, expected),
+                        [{how for _, b, how in seen[before:] if b >= numel * 4}]))
     finally:
         restore()
     g.close()
