@@ -5,15 +5,13 @@ by (buffer id, byte offset)."""
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from . import _C
+from . import _C, _log
 from ._runtime.worker import CommunicationError
 _SUM, _AVG = _C.OPS["sum"], _C.OPS["avg"]  # the core's ReduceOp codes
 
@@ -224,17 +222,13 @@ class ProcessGroupTransport:
             work.wait()
 
     def _log_choice(self, band: int):
-        if "transport" not in os.environ.get("QCOLL_LOG", "").split(",") or self.pg.rank() != 0:
+        if self.rank != 0 or not _log.enabled("transport"):
             return
         by_all_to_all, ring, all_to_all = self.gather_paths.chosen[band]
         low, high = band_bounds(band)
         path = "the all-to-all" if by_all_to_all else "gloo's ring"
-        try:
-            print(f"qcoll transport: all-gathers of ({low >> 10}, {high >> 10}] KB over {self.label} by "
-                  f"{path} (measured: ring {ring * 1e3:.2f} ms, all-to-all {all_to_all * 1e3:.2f} ms)",
-                  file=sys.stderr, flush=True)
-        except OSError:
-            pass  # a closed stderr: the log is lost, the call is not
+        _log.emit(f"qcoll transport: all-gathers of ({low >> 10}, {high >> 10}] KB over {self.label} by "
+                  f"{path} (measured: ring {ring * 1e3:.2f} ms, all-to-all {all_to_all * 1e3:.2f} ms)")
 
     def _all_reduce(self, values, reduce):
         """values all-reduced in place over the ProcessGroup."""

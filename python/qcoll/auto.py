@@ -32,14 +32,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import os
-import sys
 import threading
 import weakref
 
 import torch
 import torch.distributed as dist
 
+from . import _log
 from ._runtime import call
 from .cost import cost_model
 from .group import resolve_group
@@ -213,7 +212,7 @@ def _decide(kind: str, g, device, numel: int, dtype, configured, make_candidates
                                  f"{[name for name, _ in options]}")
         best = choose(times, index)
         decisions[description] = (candidates[best], options[best][0], options)
-        _log(kind, g, numel, dtype, configured, options, best)
+        _explain(kind, g, numel, dtype, configured, options, best)
     chosen, name, _ = decisions[description]
     with _LOCK:
         _COUNTS[kind][name] += 1
@@ -241,13 +240,13 @@ def _agree(g, description: tuple, device) -> None:
     raise ValueError(f"qcoll policy='auto': ranks disagree on the call:\n{lines}")
 
 
-def _log(kind, g, numel, dtype, configured, options, best) -> None:
-    if "policy" not in os.environ.get("QCOLL_LOG", "").split(",") or g.rank != 0:
+def _explain(kind, g, numel, dtype, configured, options, best) -> None:
+    if g.rank != 0 or not _log.enabled("policy"):
         return
     predicted = "; ".join(f"{name} {t * 1e3:.2f} ms" for name, t in options)
-    print(f"qcoll policy auto: {kind} of {numel} {dtype} elements on {g.size} ranks "
-          f"({g.node_size} per node), configured {configured}: chose {options[best][0]} "
-          f"(predicted {predicted})", file=sys.stderr, flush=True)
+    _log.emit(f"qcoll policy auto: {kind} of {numel} {dtype} elements on {g.size} ranks "
+              f"({g.node_size} per node), configured {configured}: chose {options[best][0]} "
+              f"(predicted {predicted})")
 
 
 def decisions(group=None) -> dict:
