@@ -28,8 +28,9 @@ def enabled(topic: str) -> bool:
 
 
 def emit(line: str) -> None:
-    """One line to stderr; a closed stderr loses the line, never the call that logs it."""
+    """One line to stderr; a closed or broken stderr loses the line, never the call that
+    logs it (which runs on rank 0 alone: raising there would leave the peers waiting)."""
     try:
         print(line, file=sys.stderr, flush=True)
-    except OSError:
+    except (OSError, ValueError):  # a broken pipe; a closed file
         pass

@@ -98,9 +98,9 @@ class GatherPaths:
 
 
 def _sends_apart(send, recv, rank: int) -> bool:
-    """Whether `send` is either the rank's own slot of `recv` or apart from all of recv, as
-    the pairs need (they send `send` itself while the peers' bytes land in recv; the
-    all-to-all copies it first, so it takes any overlap)."""
+    """Whether `send` is either the rank's own slot of `recv` or apart from all of recv, so
+    that no gather path overwrites it before it is sent (the pairs send `send` itself while
+    the peers' bytes land in recv; a band's trials send it several times)."""
     nbytes = send.numel() * send.element_size()
     start, end = send.data_ptr(), send.data_ptr() + nbytes
     low = recv.data_ptr()
@@ -173,6 +173,11 @@ class ProcessGroupTransport:
 
     def all_gather(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
         send, recv = buffers.pair(send_id, send_off, nbytes, recv_id, recv_off, self.size * nbytes, nbytes)
+        if send.device.type == "cpu" and not _sends_apart(send, recv, self.rank):
+            # Bytes that are another slot of the output: copied first, so that every path
+            # (and each of a band's trials) sends them intact. The copy, not a path of its
+            # own: an overlap is this rank's alone, and every rank must post the same path.
+            send = send.clone()
         measured = None  # the band this gather chose a path for
         try:
             if self.gather_pg is None or send.device.type != "cpu":
@@ -191,11 +196,10 @@ class ProcessGroupTransport:
         except Exception as exc:  # noqa: BLE001
             raise self._failed("all-gather", exc) from exc
         if measured is not None:
-            self._log_choice(measured)  # outside the try: a failed print must not fail one rank
+            self._log_choice(measured)
 
     def _gather(self, recv, send, by_all_to_all: bool):
-        if by_all_to_all and recv.numel() * recv.element_size() > PAIRS_GATHER_ABOVE_BYTES \
-                and _sends_apart(send, recv, self.rank):
+        if by_all_to_all and recv.numel() * recv.element_size() > PAIRS_GATHER_ABOVE_BYTES:
             self._gather_by_pairs(recv, send)
         elif by_all_to_all and self._direct:
             self.gather_pg.all_to_all_single(recv, self._replicated(send), [], [],

@@ -30,3 +30,18 @@ def test_an_unknown_topic_warns_once_naming_the_known_ones(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second warning would raise
         assert not _log.enabled("transport")
+
+
+@pytest.mark.parametrize("broken", ["closed", "pipe"])
+def test_a_line_to_a_broken_stderr_is_lost_not_raised(monkeypatch, broken):
+    import io
+
+    class Pipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError("reader gone")
+
+    stream = io.StringIO() if broken == "closed" else Pipe()
+    if broken == "closed":
+        stream.close()
+    monkeypatch.setattr("sys.stderr", stream)
+    _log.emit("qcoll: a line")  # no exception

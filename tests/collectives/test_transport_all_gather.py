@@ -144,8 +144,9 @@ def _measured(rank, world, script):
 def _pairs(rank, world, node_size, in_place):
     """Gathers past PAIRS_GATHER_ABOVE_BYTES (odd sizes, fp32 and bf16, and an 8-bit one):
     whether each landed and how it was posted, with the shard a view of the output's own
-    slot when in_place; then one whose shard is another rank's slot (its bytes overlap the
-    output elsewhere): the all-to-all's copy, not the pairs."""
+    slot when in_place; then shards that overlap the output elsewhere (copied first, then
+    posted as any other): another rank's slot on every rank, and slot 0 on every rank (in
+    place on rank 0 only)."""
     g = qcoll.new_group(node_size=node_size)
     seen = []
     restore = _recording(seen)
@@ -171,17 +172,26 @@ def _pairs(rank, world, node_size, in_place):
         # An 8-bit gather's codes, a little over the limit.
         close, through = _quantized_gather(rank, world, tt.PAIRS_GATHER_ABOVE_BYTES // world + 5, g, seen)
         out.append(("int8", close, [through]))
-        if node_size == world:  # (over nodes the band may take the ring, whose handling is gloo's)
-            # The shard is the next rank's slot of the output, whose bytes it must send intact.
-            numel = tt.PAIRS_GATHER_ABOVE_BYTES // 4 // world + 3
-            base = torch.arange(world * numel, dtype=torch.float32)
-            full = base.clone()
-            theirs = (rank + 1) % world
-            before = len(seen)
-            qcoll.quantized_allgather(full, full[theirs * numel:(theirs + 1) * numel], g, bits=None)
-            expected = base.view(world, numel).roll(-1, 0).reshape(-1)
-            out.append(("overlapping", torch.equal(full, expected),
-                        [{how for _, b, how in seen[before:] if b >= numel * 4}]))
+        # The shard is the next rank's slot of the output, whose bytes it must send intact
+        # (through the band's trials too).
+        numel = tt.PAIRS_GATHER_ABOVE_BYTES // 4 // world + 3
+        base = torch.arange(world * numel, dtype=torch.float32)
+        full = base.clone()
+        theirs = (rank + 1) % world
+        before = len(seen)
+        qcoll.quantized_allgather(full, full[theirs * numel:(theirs + 1) * numel], g, bits=None)
+        expected = base.view(world, numel).roll(-1, 0).reshape(-1)
+        out.append(("overlapping", torch.equal(full, expected),
+                    [{how for _, b, how in seen[before:] if b >= numel * 4}]))
+        # Every rank's shard is slot 0: in place on rank 0 alone, an overlap on the others,
+        # which must still post what rank 0 posts.
+        numel += 2  # a new size band's gather on 2 x 2: its trials
+        full = torch.full((world * numel,), float(rank))
+        before = len(seen)
+        qcoll.quantized_allgather(full, full[:numel], g, bits=None)
+        expected = torch.arange(world, dtype=torch.float32).repeat_interleave(numel)
+        out.append(("slot 0 on every rank", torch.equal(full, expected),
+                    [{how for _, b, how in seen[before:] if b >= numel * 4}]))
     finally:
         restore()
     g.close()
@@ -190,16 +200,14 @@ def _pairs(rank, world, node_size, in_place):
 
 @pytest.mark.parametrize("world,node_size,in_place", [(3, 3, False), (3, 3, True), (4, 2, True)])
 def test_past_the_pairs_limit_every_rank_lands_at_its_offset(world, node_size, in_place):
-    """One node: the all-to-all pattern, as pairs past their limit, but for a shard that
-    overlaps the output elsewhere than its own slot (the all-to-all's copy). 2 x 2 (every
-    gather in one size band): the band's first gather (its trials) runs the pairs, the
-    others whichever path measured faster (the ring's not recorded)."""
+    """One node: the all-to-all pattern, as pairs past their limit, whatever the shard's
+    overlap with the output. 2 x 2 (every gather in one size band): the band's first
+    gather (its trials) runs the pairs, the others whichever path measured faster (the
+    ring's not recorded)."""
     for out in run_ranks(world, _pairs, node_size, in_place, timeout=120):
         for what, landed, hows in out:
             assert landed, (what, out)
-            if what == "overlapping":
-                assert hows == [{"all_to_all"}], out
-            elif node_size == world:
+            if node_size == world:
                 assert all(how == {"pairs"} for how in hows), (what, out)
             else:
                 assert all(how <= {"pairs"} for how in hows), (what, out)
