@@ -80,14 +80,15 @@ def delta_allgather(full: torch.Tensor, shard: torch.Tensor, group=None, *,
     diff_at = _round_up(scratch_bytes, _ALIGN)
     gathered_at = diff_at + _round_up(4 * n, _ALIGN)
     workspace_bytes = gathered_at + 4 * size * n
-    mine = full[g.rank * n:(g.rank + 1) * n]
+    flat = full.view(-1)  # any shape: the partitions are of the elements (both contiguous)
+    mine = flat[g.rank * n:(g.rank + 1) * n]
 
     def launch(ctx, workspace):
         diff = workspace[diff_at:diff_at + 4 * n].view(_F32)
         gathered = workspace[gathered_at:gathered_at + 4 * size * n].view(_F32)
-        diff.copy_(shard)
+        diff.copy_(shard.view(-1))
         diff.sub_(mine)  # fp32: both operands are exact in fp32
         step.run(ctx, diff, gathered, workspace[:scratch_bytes])
-        full.add_(gathered.view(full.shape))  # in fp32 (type promotion), rounded once to full's dtype
+        flat.add_(gathered)  # in fp32 (type promotion), rounded once to full's dtype
 
     return call.run(_WHAT, g, shard, full, workspace_bytes, launch, async_op)

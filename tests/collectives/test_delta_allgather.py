@@ -166,3 +166,30 @@ def test_delta_allgather_bad_input_raises_on_every_rank():
         for name, (named, msg) in seen.items():
             assert named, f"{name}: {msg!r}"
         assert torch.equal(full, torch.tensor([1.0] * 8 + [2.0] * 8))
+
+
+def _shaped_worker(rank, world):
+    """The same calls on 2-D tensors (full world*4 x 5, shard 4 x 5 or a 20-element row)
+    and on their flat views."""
+    group = qcoll.new_group(node_size=1)
+    out = {}
+    for bits in (8, None):
+        for shard_shape in ((4, 5), (1, 20)):
+            results = []
+            for shaped in (True, False):
+                full = _old(world, 20, F32).view(world * 4, 5)
+                shard = _shards(world, 20, F32, 0)[rank].clone().view(shard_shape)
+                if not shaped:
+                    full, shard = full.view(-1), shard.view(-1)
+                qcoll.delta_allgather(full, shard, group, bits=bits)
+                results.append(full.reshape(-1).clone())
+            out[(bits, shard_shape)] = torch.equal(*results)
+    group.close()
+    return out
+
+
+def test_delta_allgather_partitions_the_elements_of_any_shape():
+    """full and shard of any shape (contiguous): the partitions are of their elements, as
+    for the flat tensors, bit for bit."""
+    for out in run_ranks(2, _shaped_worker, timeout=60):
+        assert all(out.values()), out
