@@ -73,6 +73,54 @@ def test_async_op_returns_at_once_and_wait_waits():
             assert waited > 1.0, waited
 
 
+def _chained_worker(rank, world):
+    """A callback chained on a Work runs on the group's worker thread when the call completes
+    there: a synchronous call from it runs at once (before the calls queued behind), and a
+    wait on a queued Work of the same group raises instead of waiting for itself."""
+    g = qcoll.new_group(node_size=world, timeout=__import__("datetime").timedelta(seconds=20))
+    a, b, c = torch.full((64,), 1.0 + rank), torch.full((64,), 10.0), torch.full((8,), 100.0 * (rank + 1))
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.0)  # the peer is late: rank 0's call is still pending when it chains
+    w1 = qcoll.quantized_all_reduce(a, g, op="sum", bits=None, async_op=True)
+
+    def then(fut):  # a DDP-style second phase: one more (synchronous) call on the group
+        qcoll.quantized_all_reduce(c, g, op="sum", bits=None)
+        return fut.value()
+
+    chained = w1.get_future(a).then(then)
+    w2 = qcoll.quantized_all_reduce(b, g, op="sum", bits=None, async_op=True)  # queued behind w1
+    w2.wait(timeout=30)
+    chained.wait()
+    sums = (a.tolist()[0], b.tolist()[0], c.tolist()[0])
+
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.0)
+    w3 = qcoll.quantized_all_reduce(torch.ones(64), g, bits=None, async_op=True)
+    w4 = qcoll.quantized_all_reduce(torch.ones(64), g, bits=None, async_op=True)
+    waited = w3.get_future().then(lambda fut: w4.wait())
+    try:
+        waited.wait()
+        refused = None
+    except RuntimeError as exc:
+        refused = str(exc)
+    w4.wait(timeout=30)
+    after = torch.full((4,), float(rank))
+    qcoll.quantized_all_reduce(after, g, op="sum", bits=None)  # the group is still usable
+    g.close()
+    return sums, refused, after.tolist()
+
+
+def test_a_callback_chained_on_a_work_never_waits_for_its_own_thread():
+    results = run_ranks(2, _chained_worker, timeout=120)
+    for sums, refused, after in results:
+        assert sums == (3.0, 20.0, 300.0)
+        assert after == [1.0] * 4
+    # Rank 0's w3 was pending when chained: its callback ran on the worker thread.
+    assert "async_op=True" in results[0][1] and "Work.wait()" in results[0][1], results[0][1]
+
+
 # ---- threads --------------------------------------------------------------------------------
 def _threads_worker(rank, world, calls):
     groups = [qcoll.new_group(node_size=2), qcoll.new_group(node_size=2)]  # same default PG

@@ -42,8 +42,12 @@ class Work:
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait for the call (CPU) or order the current stream after it (GPU). timeout:
-        seconds to block at most (CPU); the call itself is bounded by its group's timeout."""
+        seconds to block at most (CPU); the call itself is bounded by its group's timeout.
+        From a callback chained on a call of the same group (it runs on the group's worker
+        thread, which runs this call too) it raises RuntimeError unless the call is done."""
         if self._future is not None:
+            if not self._future.done():
+                self._future.queue.refuse_waiting_on_itself("Work.wait()")
             self._future.result(timeout)
         if self._cuda is not None:
             self._cuda.wait()
@@ -113,6 +117,16 @@ class CallQueue:
         self._failure: Optional[str] = None
         self._closed = False
 
+    def refuse_waiting_on_itself(self, describe: str) -> None:
+        """Raise where the worker thread itself would wait for the queue: a callback chained
+        on a call's Work (a done-callback, get_future().then) runs on the thread that runs
+        the calls queued after it, so it would wait for itself, past any timeout."""
+        if self._thread is not None and threading.current_thread() is self._thread:
+            raise RuntimeError(
+                f"{describe} waits for calls queued on its qcoll group from the group's own worker "
+                f"thread (a callback chained on a qcoll Work runs there), which would wait for itself: "
+                f"issue the call with async_op=True and chain on its Work, or from the caller's thread")
+
     def _refuse(self, describe: str) -> None:
         if self._closed:
             raise RuntimeError(f"{describe}: the group was closed")
@@ -128,7 +142,7 @@ class CallQueue:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
-            future: Future = Future()
+            future = _CallFuture(self)
             self._pending += 1
             self._tasks.put((future, run, describe, threads))
         return future
@@ -138,7 +152,10 @@ class CallQueue:
         the family is idle, else after the calls queued before it."""
         with self._lock:
             self._refuse(describe)
-            inline = self._pending == 0
+            # On the worker thread (a callback chained on a call that just ran) nothing runs
+            # but this thread: the call runs now, before the calls queued behind the one whose
+            # completion ran the callback, rather than wait for them to run on this thread.
+            inline = self._pending == 0 or threading.current_thread() is self._thread
             if inline:
                 self._pending += 1
         if not inline:
@@ -161,6 +178,7 @@ class CallQueue:
 
     def drain(self) -> None:
         """Wait until every call queued so far has run."""
+        self.refuse_waiting_on_itself("qcoll (a call that first waits for the group's queued calls)")
         with self._lock:
             running = self._thread is not None and not self._closed
             if running:
@@ -220,6 +238,15 @@ class CallQueue:
             else:
                 future.set_result(None)
             del future, error
+
+
+class _CallFuture(Future):
+    """A queued call's Future, which knows its queue (Work.wait refuses to wait on it from
+    the queue's own thread)."""
+
+    def __init__(self, owner: CallQueue):
+        super().__init__()
+        self.queue = owner
 
 
 def _named(exc: BaseException, describe: str) -> BaseException:
