@@ -85,8 +85,8 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     raw_exchange = policy.raw_exchange(tensor.element_size())
     numel = tensor.numel()
     tail = 0  # last elements reduced by the transport's all-reduce instead of the exchange
-    if (rs.unquantized and error_feedback is None and not on_gpu(tensor.device)
-            and call.has_transport_all_reduce(g, tensor.device)):
+    if (rs.unquantized and not on_gpu(tensor.device)
+            and call.has_transport_all_reduce(g, tensor.device)):  # error feedback has nothing to keep
         if unquantized_host_all_reduce(tensor.element_size(), numel) == "transport":
             return _transport_all_reduce(g, tensor, code, op_code, async_op)
         hierarchical = False  # the raw inputs straight to their owner
@@ -105,7 +105,8 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     all_gather = AllGather(g, n, code, gather_format, group_size, device)
 
     ef = residual_in = residual_shard = None
-    if error_feedback is not None:
+    encodes = rs_plan.encodes_input or rs_plan.reencodes_partial_sums or gather_format != RAW_CODE
+    if error_feedback is not None and encodes:  # as the reduce-scatter: an exact call keeps none
         ef = error_feedback.bind(_WHAT, tensor, size)
         if rs_plan.encodes_input:
             residual_in = ef.residual("input", size * n, device)

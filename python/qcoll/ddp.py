@@ -9,8 +9,9 @@ with its bytes counted in ``qcoll.stats()["all_reduce"]`` under qcoll's rule: th
 Each gradient bucket goes through qcoll.quantized_all_reduce (op "avg", issued async_op=True;
 DDP waits on the returned Future): int8 inside the node, int4 across nodes by default, the
 result bit-identical on every rank, so the replicas stay in sync. error_feedback=True keeps
-one qcoll.ErrorFeedback per bucket (memory: 4 bytes per gradient element plus 4 per
-element / world size, see qcoll.error_feedback).
+one qcoll.ErrorFeedback per bucket wherever a hop is quantized (memory: 4 bytes per
+gradient element, plus 4 per element / world size, plus across nodes of several ranks
+4 per element / node size: see qcoll.error_feedback).
 """
 
 from typing import Optional  # no `from __future__ import annotations`: DDP checks the hooks'
@@ -45,7 +46,7 @@ class QuantizedHookState:
             raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
         if group is not None and not isinstance(group, (Group, dist.ProcessGroup)):
             raise TypeError(f"group must be a qcoll.Group, a torch ProcessGroup or None, got {type(group).__name__}")
-        self.error_feedback = error_feedback and self.bits is not None
+        self.error_feedback = error_feedback and not self.policy.unquantized  # any hop quantized
         self.group = resolve_group(group)
         self.process_group = self.group.pg  # the caller's (the counted default hook uses it)
         self.iteration = 0

@@ -245,7 +245,7 @@ class QuantizedReplicaAllReduce:
             raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
         self.replicate_group = replicate_group
         self.node_size = _check_node_size(node_size)
-        self.error_feedback = ErrorFeedback() if error_feedback and self.bits is not None else None
+        self.error_feedback = ErrorFeedback() if error_feedback and not self.policy.unquantized else None
 
     bits = property(lambda self: self.policy.bits)
     inter_bits = property(lambda self: self.policy.inter_bits)

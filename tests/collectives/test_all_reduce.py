@@ -122,16 +122,27 @@ def test_all_reduce_matches_simulation_and_is_identical_on_all_ranks(world, node
 
 
 def _unquantized_worker(rank, world, node_size):
-    """bits=None is torch's all_reduce up to fp32 summation order."""
+    """bits=None is torch's all_reduce up to fp32 summation order; with error feedback the
+    same call (the same bytes, bit for bit the same result): it has nothing to keep."""
     g = qcoll.new_group(node_size=node_size)
     for numel in (7, 4099):
         x = gradient_like(numel, F32, "raw", rank)
         theirs = x.clone()
         dist.all_reduce(theirs)
         for hierarchical in (True, False):
-            mine = x.clone()
-            qcoll.quantized_all_reduce(mine, g, op="sum", bits=None, hierarchical=hierarchical)
-            torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)
+            results, traffic = [], []
+            for ef in (None, qcoll.ErrorFeedback()):
+                mine = x.clone()
+                qcoll.quantized_all_reduce(mine, g, op="sum", bits=None, hierarchical=hierarchical)  # signature
+                mine = x.clone()
+                qcoll.reset_stats()
+                qcoll.quantized_all_reduce(mine, g, op="sum", bits=None, hierarchical=hierarchical,
+                                           error_feedback=ef)
+                torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)
+                results.append(mine)
+                traffic.append(qcoll.stats()["all_reduce"])
+                assert ef is None or (ef.nbytes == 0 and "unbound" in repr(ef)), ef
+            assert torch.equal(*results) and traffic[0] == traffic[1], traffic
     return True
 
 

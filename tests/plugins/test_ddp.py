@@ -157,3 +157,26 @@ def test_quantized_hook_trains_within_1_percent_of_ddp_default():
     # error feedback: 4 bytes per gradient element (input), + 4 / node_size (the 2-hop's
     # inter residual) + 4 / world (the shard), padding aside: 1.75x here
     assert 4 * n_params * 1.5 <= runs[0]["qcoll"]["ef_bytes"] <= 4 * n_params * 1.75 * 1.1
+
+
+def _feedback_kept(rank, world):
+    import qcoll
+    import qcoll.ddp
+    import qcoll.fsdp
+
+    g = qcoll.new_group(node_size=1)
+    kept = {}
+    for bits, inter_bits in ((8, None), (None, 4), (None, None), (8, 4)):
+        hook = qcoll.ddp.QuantizedHookState(g, bits=bits, inter_bits=inter_bits)
+        replica = qcoll.fsdp.QuantizedReplicaAllReduce(g, bits=bits, inter_bits=inter_bits)
+        kept[(bits, inter_bits)] = (hook.error_feedback, replica.error_feedback is not None)
+    g.close()
+    return kept
+
+
+def test_error_feedback_is_kept_wherever_a_hop_is_quantized():
+    """bits=None with inter_bits=4 quantizes the hop across nodes: the DDP hook and the HSDP
+    replica all-reduce keep its residuals (they dropped them whenever bits was None)."""
+    kept = run_ranks(1, _feedback_kept)[0]
+    assert kept == {(8, None): (True, True), (None, 4): (True, True), (None, None): (False, False),
+                    (8, 4): (True, True)}, kept
