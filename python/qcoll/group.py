@@ -235,16 +235,53 @@ def _host_id() -> str:
     return os.environ.get("QCOLL_HOST_ID") or socket.gethostname()
 
 
-def _gather_hosts(pg, size: int, node_size) -> list:
-    """(host, requested node_size) of every member; raises on every rank if the members
-    asked for different node sizes (they would build different sub-groups and hang)."""
+def _local_world_size() -> Optional[int]:
+    """torchrun's LOCAL_WORLD_SIZE (the world's ranks on this host), or None when unset."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None:
+        return None
+    try:
+        ranks = int(value)
+    except ValueError:
+        ranks = 0
+    if ranks < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={value!r} is not a positive number of ranks")
+    return ranks
+
+
+def _asked_node_size(pg, size: int, node_size) -> Optional[int]:
+    """This rank's node size: the one passed, else LOCAL_WORLD_SIZE for the default group
+    (None: from the hosts); a value the group cannot take raises ValueError."""
+    if node_size is not None:
+        if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1 or size % node_size:
+            raise ValueError(f"node_size must be a positive divisor of the group size {size}, got {node_size!r}")
+        return node_size
+    local = _local_world_size() if pg is dist.group.WORLD else None
+    if local is not None and size % local:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local} does not divide the group size {size}; "
+                         "pass node_size explicitly")
+    return local
+
+
+def _gather_hosts(pg, size: int, node_size) -> tuple:
+    """(every member's host, the node size they agree on: None for "from the hosts").
+    Each rank's node size (or why it has none) is exchanged before anyone raises, so that a
+    value wrong or different on some ranks only raises on every rank, instead of leaving
+    the others waiting in the sub-groups' creation."""
+    try:
+        asked, error = _asked_node_size(pg, size, node_size), None
+    except ValueError as exc:
+        asked, error = None, str(exc)
     infos = [None] * size
-    dist.all_gather_object(infos, (_host_id(), node_size), group=pg)
-    asked = {ns for _, ns in infos}
-    if len(asked) > 1:
-        per_rank = ", ".join(f"rank {r}: {ns}" for r, (_, ns) in enumerate(infos))
-        raise ValueError(f"ranks passed different node_size values to qcoll.new_group ({per_rank})")
-    return [host for host, _ in infos]
+    dist.all_gather_object(infos, (_host_id(), asked, error), group=pg)
+    errors = [f"rank {r}: {e}" for r, (_, _, e) in enumerate(infos) if e is not None]
+    if errors:
+        raise ValueError("qcoll.new_group: " + "; ".join(errors))
+    if len({ns for _, ns, _ in infos}) > 1:
+        per_rank = ", ".join(f"rank {r}: {ns}" for r, (_, ns, _) in enumerate(infos))
+        raise ValueError(f"ranks passed different node_size values to qcoll.new_group (or have "
+                         f"different LOCAL_WORLD_SIZE) ({per_rank})")
+    return [host for host, _, _ in infos], infos[0][1]
 
 
 def _node_size_from_hosts(hosts: list) -> int:
@@ -291,21 +328,12 @@ def new_group(pg=None, *, node_size: Optional[int] = None, backend: Optional[str
     if timeout is not None and not (isinstance(timeout, timedelta) and timeout > timedelta(0)):
         raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
     size = dist.get_world_size(pg)
-    if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int)
-                                  or node_size < 1 or size % node_size):
-        raise ValueError(f"node_size must be a positive divisor of the group size {size}, got {node_size!r}")
-    hosts = _gather_hosts(pg, size, node_size)
+    hosts, node_size = _gather_hosts(pg, size, node_size)
     if node_size is None:
-        if pg is dist.group.WORLD and "LOCAL_WORLD_SIZE" in os.environ:
-            node_size = int(os.environ["LOCAL_WORLD_SIZE"])
-            if size % node_size:
-                raise ValueError(f"LOCAL_WORLD_SIZE={node_size} does not divide the group size "
-                                 f"{size}; pass node_size explicitly")
-        else:
-            node_size = _node_size_from_hosts(hosts)
+        node_size = _node_size_from_hosts(hosts)
     _check_layout(hosts, node_size)
     # Ranks of the whole world on this host (the group's may be fewer: a sub-group).
-    host_ranks = max(hosts.count(_host_id()), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    host_ranks = max(hosts.count(_host_id()), _local_world_size() or 1)
     group = Group(pg, node_size, backend, timeout=timeout if timeout is not None else pg_timeout(pg),
                   _host_ranks=host_ranks)
     if 1 < node_size < size:

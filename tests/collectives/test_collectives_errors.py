@@ -222,6 +222,32 @@ def test_local_world_size_not_dividing_the_world():
     assert all(msg is not None and "LOCAL_WORLD_SIZE" in msg for msg in results), results
 
 
+@pytest.mark.parametrize("case", ["one rank's node_size", "LOCAL_WORLD_SIZE per host", "LOCAL_WORLD_SIZE text"])
+def test_a_node_size_wrong_on_some_ranks_raises_on_every_rank(case):
+    """A value that only some ranks get wrong (or get at all) is exchanged before anyone
+    raises: every rank raises, naming the rank, instead of the others waiting for the
+    sub-groups that rank never creates."""
+    if case == "one rank's node_size":
+        env, kwargs = None, {0: dict(node_size=3)}
+    elif case == "LOCAL_WORLD_SIZE per host":  # heterogeneous nodes: 2 ranks here, 4 there
+        env, kwargs = {r: {"LOCAL_WORLD_SIZE": "2" if r < 2 else "4"} for r in range(4)}, {}
+    else:
+        env, kwargs = {r: {"LOCAL_WORLD_SIZE": "two" if r == 3 else "2"} for r in range(4)}, {}
+    results = run_ranks(4, _some_ranks_worker, kwargs, env=env, timeout=60)
+    word = {"one rank's node_size": "rank 0: node_size must be a positive divisor",
+            "LOCAL_WORLD_SIZE per host": "different LOCAL_WORLD_SIZE",
+            "LOCAL_WORLD_SIZE text": "rank 3: LOCAL_WORLD_SIZE='two'"}[case]
+    assert all(msg is not None and word in msg for msg in results), results
+
+
+def _some_ranks_worker(rank, world, kwargs):
+    try:
+        qcoll.new_group(**kwargs.get(rank, dict(node_size=2) if kwargs else {}))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def _layout_worker(rank, world, node_size):
     try:
         g = qcoll.new_group(node_size=node_size)
