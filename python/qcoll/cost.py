@@ -466,7 +466,8 @@ def cost_model(group=None, *, device="cpu", model=None, path: Optional[str] = No
     by CostModel.save to load instead; neither: the cached model, else the file named by
     $QCOLL_COST_MODEL, else a probe bounded by budget_s seconds (default BUDGET_S).
     A model given or loaded must match the group (world, node_size, device) and be the
-    same on every rank: otherwise every rank raises ValueError."""
+    same on every rank, and every rank must have one or every rank probe: otherwise (a
+    file that did not load on some rank included) every rank raises ValueError."""
     from .group import resolve_group
 
     dev = _check_device(device)
@@ -479,20 +480,36 @@ def cost_model(group=None, *, device="cpu", model=None, path: Optional[str] = No
     if budget_s is not None and (isinstance(budget_s, bool) or not isinstance(budget_s, (int, float))
                                  or not 0 < budget_s <= 600):
         raise ValueError(f"budget_s must be a number of seconds in (0, 600] or None, got {budget_s!r}")
-    given = model if isinstance(model, CostModel) else (CostModel.from_dict(model) if model is not None else None)
-    if given is None and path is not None:
-        given = CostModel.load(os.fspath(path))
     g = resolve_group(group)
     cache = _MODELS.setdefault(g, {})
-    if given is None and dev.type in cache:
+    if model is None and path is None and dev.type in cache:
         return cache[dev.type]
-    if given is None and os.environ.get(ENV_FILE):
-        given = CostModel.load(os.environ[ENV_FILE])
-    if given is None:
+    # Where this rank's model comes from, or why it has none, goes to every rank before
+    # anyone raises or probes: a file missing on one node, or $QCOLL_COST_MODEL set on some
+    # ranks only, would otherwise leave the others waiting in an exchange of their own.
+    given, error = None, None
+    try:
+        if isinstance(model, CostModel):
+            given = model
+        elif model is not None:
+            given = CostModel.from_dict(model)
+        elif path is not None:
+            given = CostModel.load(os.fspath(path))
+        elif os.environ.get(ENV_FILE):
+            given = CostModel.load(os.environ[ENV_FILE])
+    except (OSError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    views = _every_rank(g, _view(given, error, g, dev))
+    if given is None and error is None and all(v == views[0] for v in views):  # every rank probes
         from ._cost_probe import probe
         given = probe(g, dev, BUDGET_S if budget_s is None else float(budget_s))
-    cache[dev.type] = _agree(g, given, dev)
-    return cache[dev.type]
+        views = _every_rank(g, _view(given, None, g, dev))
+    if any(v[0] != views[0][0] for v in views) or views[0][0] in ("does not fit", "no model"):
+        lines = "\n".join(f"  rank {r}: {v[1]}: {v[2]}, digest {v[0]}" for r, v in enumerate(views))
+        raise ValueError(f"qcoll.cost_model: the ranks' cost models disagree or do not fit the group of "
+                         f"{g.size} ranks, {g.node_size} per node, on {dev.type}:\n{lines}")
+    cache[dev.type] = given
+    return given
 
 
 def _check_device(device) -> torch.device:
@@ -505,19 +522,23 @@ def _check_device(device) -> torch.device:
     return dev
 
 
-def _agree(g, model: CostModel, dev: torch.device) -> CostModel:
-    """`model` if it fits the group and every rank holds the same; ValueError on every rank
-    otherwise (each rank's source and digest named)."""
+def _view(model: Optional[CostModel], error: Optional[str], g, dev: torch.device) -> tuple:
+    """(digest, source, detail) of a rank's model: its fingerprint where it fits the group;
+    "no model" with why (a file that did not load), or "will probe" when none was asked for."""
+    if error is not None:
+        return "no model", "not loaded", error
+    if model is None:
+        return "will probe", "probe", "no model given, loaded or in $" + ENV_FILE
     fits = (model.world, model.node_size, model.device) == (g.size, g.node_size, dev.type)
-    mine = (model.fingerprint() if fits else "does not fit", model.source,
+    return (model.fingerprint() if fits else "does not fit", model.source,
             f"world {model.world}, node_size {model.node_size}, {model.device}")
-    views = [mine]
-    if g.size > 1:
-        call.drain(g)
-        views = [None] * g.size
-        dist.all_gather_object(views, mine, group=g.pg)
-    if not fits or any(v[0] != views[0][0] for v in views):
-        lines = "\n".join(f"  rank {r}: {v[1]}: {v[2]}, digest {v[0]}" for r, v in enumerate(views))
-        raise ValueError(f"qcoll.cost_model: the ranks' cost models disagree or do not fit the group of "
-                         f"{g.size} ranks, {g.node_size} per node, on {dev.type}:\n{lines}")
-    return model
+
+
+def _every_rank(g, mine: tuple) -> list:
+    """Every rank's `mine`, in rank order (after the group's queued calls)."""
+    if g.size == 1:
+        return [mine]
+    call.drain(g)
+    views = [None] * g.size
+    dist.all_gather_object(views, mine, group=g.pg)
+    return views

@@ -519,14 +519,25 @@ def _disagree(rank, world, models, path):
     from_env = qcoll.cost_model(g).source
     del os.environ["QCOLL_COST_MODEL"]
     out = [from_env]
-    for case in ("model", "file", "world"):
+    for case in ("model", "file", "world", "missing file", "env on one rank"):
         try:
             if case == "model":
                 qcoll.cost_model(g, model=models[rank])
             elif case == "file":
                 qcoll.cost_model(g, path=path if rank != 2 else path + ".other")
-            else:
+            elif case == "world":
                 qcoll.cost_model(g, model=synthetic(world=2 * world))
+            elif case == "missing file":  # on one node's disk only
+                qcoll.cost_model(g, path=path if rank != 3 else path + ".missing")
+            else:  # rank 0 would load it, the others probe
+                g2 = qcoll.new_group(node_size=NODE_SIZE)
+                if rank == 0:
+                    os.environ["QCOLL_COST_MODEL"] = path
+                try:
+                    qcoll.cost_model(g2)
+                finally:
+                    os.environ.pop("QCOLL_COST_MODEL", None)
+                    g2.close()
             out.append("no error")
         except ValueError as e:
             out.append(str(e))
@@ -548,3 +559,5 @@ def test_a_rank_that_disagrees_raises_on_every_rank(tmp_path):
         assert "rank 1: user" in messages[0]
         assert f"rank 2: file {path}.other" in messages[1]
         assert "world 8" in messages[2]
+        assert "rank 3: not loaded: FileNotFoundError" in messages[3], messages[3]
+        assert f"rank 0: file {path}" in messages[4] and "rank 1: probe" in messages[4], messages[4]
