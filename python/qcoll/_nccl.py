@@ -47,6 +47,18 @@ def _local_problem() -> str | None:
     return None
 
 
+def usable_on_every_rank(group, device: torch.device) -> bool:
+    """backend=None: whether every member of the group can create an NCCL communicator,
+    agreed in one exchange (collective), so that all take NCCL or all the torch transport:
+    a rank without NCCL deciding alone would leave the others waiting in the creation."""
+    problems = [_local_problem()]
+    if group.size > 1:
+        mine, problems = problems[0], [None] * group.size
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            dist.all_gather_object(problems, mine, group=group.pg)
+    return all(p is None for p in problems)
+
+
 def create_nccl_communicator(group, device: torch.device):
     """Collective over the group's members: every rank reports whether it can use NCCL and
     rank 0 adds the unique id, in one exchange, so a rank without NCCL makes every rank

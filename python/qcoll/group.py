@@ -78,6 +78,7 @@ class Group:
         self._torch_comm = _C.TorchCommunicator(self.rank, self.size, local, transport)
         self._transport = transport
         self._nccl_comm = None
+        self._nccl_usable = None  # backend=None: whether every member can use NCCL (agreed)
         self._cpu_workspace = None  # grow-only scratch of its CPU calls (_runtime/call.py)
         self._sequence = itertools.count()  # call numbers, stamped into the wire headers
         self._sequence_lock = threading.Lock()
@@ -191,9 +192,11 @@ class Group:
             return True
         if not gpu or self.size == 1:
             return False
-        from ._nccl import nccl_available
+        if self._nccl_usable is None:  # agreed once: one rank alone on the torch transport hangs the rest
+            from ._nccl import usable_on_every_rank
 
-        return nccl_available()
+            self._nccl_usable = usable_on_every_rank(self, device)
+        return self._nccl_usable
 
     def __repr__(self) -> str:
         return (f"qcoll.Group(rank={self.rank}, size={self.size}, node_size={self.node_size}, "
@@ -315,7 +318,8 @@ def new_group(pg=None, *, node_size: Optional[int] = None, backend: Optional[str
     LOCAL_WORLD_SIZE is unset (LOCAL_WORLD_SIZE describes the world, not a sub-group: an
     HSDP replicate group has one rank per host). An explicit value lets one host emulate
     several nodes. backend: "nccl" (qcoll's own NCCL communicators), "torch" (the
-    ProcessGroup itself), or None (NCCL for CUDA tensors when available, else torch).
+    ProcessGroup itself), or None (NCCL for CUDA tensors when every rank can load it,
+    agreed at the first GPU call, else torch).
     timeout: how long any exchange may wait for a peer before the call raises (default:
     pg's own timeout); the Group's ProcessGroups are created with it.
     Collective: every rank of pg must call it, in the same order relative to other groups.

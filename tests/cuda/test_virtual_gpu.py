@@ -93,3 +93,11 @@ def test_loader_reports_bad_libraries_and_reuses_a_mapped_nccl(tmp_path):
     assert "cannot load NCCL" in r["missing"] and "no-such-libnccl" in r["missing"], r
     assert "lacks symbol ncclGetVersion" in r["not-nccl"], r
     assert r["mapped"] == "2.28.3" and r["unique_id"] == 128, r
+
+
+def test_backend_none_takes_one_transport_on_every_rank():
+    """A rank that cannot load NCCL makes every rank of a backend=None group take the torch
+    transport (one exchange at its first GPU call): deciding alone, it left the others
+    waiting in the NCCL communicator's creation."""
+    results = run_virtual(2, "backend_none_agrees", 1, timeout=120)
+    assert results == [{"nccl": False, "usable": False}] * 2, results

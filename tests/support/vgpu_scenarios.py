@@ -348,3 +348,22 @@ def loader(rank: int, world: int, tmp: str) -> dict:
     out["mapped"] = qcoll._C.nccl_version()
     out["unique_id"] = len(qcoll._C.nccl_unique_id())
     return out
+
+
+def backend_none_agrees(rank: int, world: int, without: int) -> dict:
+    """backend=None where rank `without` cannot load NCCL: every rank takes the torch
+    transport (agreed at the first GPU call) and the all-gather matches gloo's, bit for bit."""
+    import os
+    from datetime import timedelta
+
+    if rank == without:
+        os.environ["QCOLL_NCCL_PATH"] = "/nonexistent/libnccl.so.2"
+    g = qcoll.new_group(None, node_size=world, timeout=timedelta(seconds=20))
+    gloo = qcoll.new_group(None, node_size=world, backend="torch")
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(rank))
+    got, want = torch.empty(world * 1000), torch.empty(world * 1000)
+    qcoll.quantized_allgather(got, x, g, bits=8)
+    with _vgpu.cpu_branch():
+        qcoll.quantized_allgather(want, x, gloo, bits=8)
+    ref.assert_same_bits(got, want, "allgather, backend=None")
+    return {"nccl": g._nccl_comm is not None, "usable": g._nccl_usable}
