@@ -144,7 +144,7 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
                 transport_all_reduce(ctx, code, _F32, op_code, values, workspace, parts[2], -1, "none")
                 flat[numel - tail:].copy_(values)
         finally:
-            _C.add_traffic(ctx.traffic, list(parts), "all_reduce")
+            _C.add_traffic(ctx.traffic, list(parts), ctx.counter("all_reduce"))
 
     return call.run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op, comms=reduce_scatter.comms)
 
@@ -178,7 +178,7 @@ def _transport_all_reduce(g, tensor: torch.Tensor, code: int, op: int, async_op:
                     flat[begin:begin + count].copy_(values)
         finally:
             if len(parts) > 1:
-                _C.add_traffic(ctx.traffic, [p[2] for p in parts], "all_reduce")
+                _C.add_traffic(ctx.traffic, [p[2] for p in parts], ctx.counter("all_reduce"))
 
     return call.run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op)
 

@@ -502,7 +502,8 @@ def cost_model(group=None, *, device="cpu", model=None, path: Optional[str] = No
     views = _every_rank(g, _view(given, error, g, dev))
     if given is None and error is None and all(v == views[0] for v in views):  # every rank probes
         from ._cost_probe import probe
-        given = probe(g, dev, BUDGET_S if budget_s is None else float(budget_s))
+        with call.uncounted():  # the probe's calls are not the user's traffic
+            given = probe(g, dev, BUDGET_S if budget_s is None else float(budget_s))
         views = _every_rank(g, _view(given, None, g, dev))
     if any(v[0] != views[0][0] for v in views) or views[0][0] in ("does not fit", "no model"):
         lines = "\n".join(f"  rank {r}: {v[1]}: {v[2]}, digest {v[0]}" for r, v in enumerate(views))

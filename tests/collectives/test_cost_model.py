@@ -442,9 +442,11 @@ def test_file_round_trip(tmp_path):
 # ---- on ranks ----------------------------------------------------------------------------
 def _probe(rank, world, budget):
     g = qcoll.new_group(node_size=NODE_SIZE)
+    qcoll.reset_stats()
     t0 = time.perf_counter()
     m = qcoll.cost_model(g, budget_s=budget)
     elapsed = time.perf_counter() - t0
+    probe_stats = qcoll.stats()  # the probe's calls are not the user's traffic
     t1 = time.perf_counter()
     again = qcoll.cost_model(g)  # cached: no probe, no communication
     cached_s = time.perf_counter() - t1
@@ -460,7 +462,7 @@ def _probe(rank, world, budget):
         s = qcoll.stats()["reduce_scatter"]
         p = m.predict("reduce_scatter", 3000, torch.float32, policy)
         counted[hierarchical] = ((s["intra_bytes"], s["inter_bytes"]), (p.intra_bytes, p.inter_bytes))
-    out = (m.to_dict(), elapsed, again is m, cached_s, counted)
+    out = (m.to_dict(), elapsed, again is m, cached_s, counted, probe_stats)
     g.close()
     return out
 
@@ -470,8 +472,9 @@ def test_probe_bounded_agreed_cached():
     results = run_ranks(4, _probe, budget, timeout=180)
     first = results[0][0]
     assert first["source"] == "probe" and first["world"] == 4 and first["node_size"] == NODE_SIZE
-    for model, elapsed, same, cached_s, counted in results:
+    for model, elapsed, same, cached_s, counted, probe_stats in results:
         assert model == first  # every rank holds identical numbers
+        assert all(not any(c.values()) for c in probe_stats.values()), probe_stats
         # Bounded: a next size only where its forecast ends within the budget; the first
         # sizes always run (the rates' smallest, one calibration size per collective: about
         # 1 s on 2 x 2 loopback), so slack for those on a loaded machine.

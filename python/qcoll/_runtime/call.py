@@ -6,6 +6,8 @@ here."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Callable
 
 import torch
@@ -30,6 +32,21 @@ class Describe:
         return f"qcoll.{self.what} (call {self.sequence} of the group of global ranks {self.ranks})"
 
     __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
+
+
+_thread = threading.local()  # .uncounted: this thread's calls are left out of qcoll.stats()
+
+
+@contextlib.contextmanager
+def uncounted():
+    """The calls this thread issues inside are left out of qcoll.stats() (their Works still
+    hold their own bytes): qcoll's own measurements (the cost probe), not the user's traffic."""
+    previous = getattr(_thread, "uncounted", False)
+    _thread.uncounted = True
+    try:
+        yield
+    finally:
+        _thread.uncounted = previous
 
 
 def drain(group) -> None:
@@ -96,19 +113,21 @@ def run(what: str, group, input: torch.Tensor, output: torch.Tensor, workspace_b
     comm = group.communicator(input.device)
     sequence = group._next_sequence()
     traffic = _C.Traffic()
+    counted = not getattr(_thread, "uncounted", False)  # read here: the call may run on the worker
     describe = Describe(what, group, sequence)
 
     if gpu:
         def enqueue(stream, lane, workspace):
-            launch(CallContext(comm, kind, index, stream.cuda_stream, lane.cuda_stream, sequence, traffic),
-                   workspace)
+            launch(CallContext(comm, kind, index, stream.cuda_stream, lane.cuda_stream, sequence, traffic,
+                               counted), workspace)
 
         call = group._cuda.run(input.device, enqueue, workspace_bytes, (input, output), (comm, *comms),
                                describe, async_op)
         return None if call is None else Work(traffic=traffic, cuda_call=call)
 
     def on_worker():
-        launch(CallContext(comm, kind, index, 0, 0, sequence, traffic), _cpu_workspace(group, workspace_bytes))
+        launch(CallContext(comm, kind, index, 0, 0, sequence, traffic, counted),
+               _cpu_workspace(group, workspace_bytes))
 
     if not async_op:
         group._calls.call(on_worker, describe)

@@ -22,13 +22,19 @@ MIN_STAGE_BYTES = _C.MIN_PIPELINE_STAGE_BYTES
 class CallContext:
     """What every step of one call runs with: the group's communicator for the device, the
     core's (kind, index, stream) triple, the lane stream of a CUDA call, the call's number
-    (stamped into its wire headers) and its Traffic."""
+    (stamped into its wire headers), its Traffic, and whether qcoll.stats() counts it."""
 
-    __slots__ = ("comm", "kind", "index", "stream", "lane_stream", "sequence", "traffic")
+    __slots__ = ("comm", "kind", "index", "stream", "lane_stream", "sequence", "traffic", "counted")
 
-    def __init__(self, comm, kind: int, index: int, stream: int, lane_stream: int, sequence: int, traffic):
+    def __init__(self, comm, kind: int, index: int, stream: int, lane_stream: int, sequence: int, traffic,
+                 counted: bool = True):
         self.comm, self.kind, self.index, self.stream = comm, kind, index, stream
         self.lane_stream, self.sequence, self.traffic = lane_stream, sequence, traffic
+        self.counted = counted
+
+    def counter(self, collective: str) -> str:
+        """The qcoll.stats() counter the call adds its bytes to ("none": not counted)."""
+        return collective if self.counted else "none"
 
 
 @functools.lru_cache(maxsize=1024)
@@ -59,7 +65,7 @@ class AllGather:
         (counted once by the call, with traffic: the part's own)."""
         _C.all_gather(self.plan, ctx.comm, self.code, CallBuffers(input, output, workspace), ctx.kind,
                       ctx.index, ctx.stream, ctx.traffic if traffic is None else traffic, ctx.sequence,
-                      collective)
+                      ctx.counter(collective))
 
 
 class ReduceScatter:
@@ -94,7 +100,7 @@ class ReduceScatter:
         _C.reduce_scatter(self.plan, ctx.comm, self._intra, self._inter, self.code, self.op,
                           CallBuffers(input, output, workspace), ctx.kind, ctx.index, ctx.stream,
                           ctx.traffic if traffic is None else traffic, ctx.sequence, ctx.lane_stream,
-                          collective, 0 if residual is None else residual.data_ptr())
+                          ctx.counter(collective), 0 if residual is None else residual.data_ptr())
 
 
 def transport_all_reduce(ctx: CallContext, code: int, wire: int, op: int, values, workspace, traffic,
@@ -102,7 +108,7 @@ def transport_all_reduce(ctx: CallContext, code: int, wire: int, op: int, values
     """The transport's own all-reduce of `values` (dtype code `wire`) in place, after the call
     check of a call of call_numel elements of dtype `code` (-1: a later part, not checked)."""
     _C.all_reduce_raw(ctx.comm, code, wire, op, values.numel(), CallBuffers(values, values, workspace),
-                      traffic, ctx.sequence, call_numel, collective)
+                      traffic, ctx.sequence, call_numel, ctx.counter(collective))
 
 
 def carve(workspace: torch.Tensor, offset: int, numel: int, dtype: torch.dtype):
