@@ -30,9 +30,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ._thread_flag import ThreadFlag
+
 ENABLED = os.environ.get("QCOLL_VIRTUAL_GPU", "0") not in ("", "0")
 _C = None
-_host = threading.local()  # .cpu: the CPU branch is forced; .streams: the current stream stack
+_host = threading.local()  # .streams: the current stream stack
 
 
 def install() -> None:
@@ -53,18 +55,11 @@ def on_device(device: torch.device) -> bool:
     """Whether a tensor on `device` is device memory for qcoll (takes the CUDA branch)."""
     if device.type == "cuda":
         return True
-    return ENABLED and device.type == "cpu" and not getattr(_host, "cpu", False)
+    return ENABLED and device.type == "cpu" and not _cpu_branch
 
 
-@contextlib.contextmanager
-def cpu_branch():
-    """CPU tensors take qcoll's CPU branch inside (this thread)."""
-    previous = getattr(_host, "cpu", False)
-    _host.cpu = True
-    try:
-        yield
-    finally:
-        _host.cpu = previous
+_cpu_branch = ThreadFlag()
+cpu_branch = _cpu_branch.on  # `with cpu_branch():` CPU tensors take qcoll's CPU branch (this thread)
 
 
 class Event:

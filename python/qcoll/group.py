@@ -361,12 +361,14 @@ def destroy() -> None:
 
 def resolve_group(group, node_size: Optional[int] = None) -> Group:
     """A qcoll.Group for `group`: a Group as is; a ProcessGroup or None wrapped once per
-    node_size (see new_group), in the one cache qcoll.destroy() clears."""
+    node_size (see new_group), in the one cache qcoll.destroy() clears; a cached Group
+    that was closed is made again."""
     if isinstance(group, Group):
         return group
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a qcoll.Group, a torch ProcessGroup or None, got {type(group).__name__}")
     key = (group if group is not None else dist.group.WORLD, node_size)
-    if key not in _default_groups:
-        _default_groups[key] = new_group(key[0], node_size=node_size)
-    return _default_groups[key]
+    cached = _default_groups.get(key)
+    if cached is None or cached._closed:  # closed (collectively) on every rank: made again on every rank
+        cached = _default_groups[key] = new_group(key[0], node_size=node_size)
+    return cached

@@ -298,11 +298,18 @@ def _lifetime_worker(rank, world):
         refused = False
     k = qcoll.new_group(node_size=2)
     qcoll.quantized_allgather(torch.empty(world * 4), torch.ones(4), None)
+    # The Group made for group=None, closed (on every rank): the next call makes it again.
+    cached = qcoll.group.resolve_group(None)
+    cached.close()
+    out = torch.empty(world * 4)
+    qcoll.quantized_allgather(out, torch.full((4,), float(rank)), None)
+    remade = qcoll.group.resolve_group(None) is not cached and torch.equal(
+        out, torch.arange(world, dtype=torch.float32).repeat_interleave(4))
     qcoll.destroy()
     destroyed = k._closed and k._calls._closed
-    return freed, stopped, closed, refused, destroyed
+    return freed, stopped, closed, refused, destroyed, remade
 
 
 def test_groups_are_freed_when_dropped_and_closed_on_request():
     for res in run_ranks(4, _lifetime_worker, timeout=60):
-        assert res == (True, True, True, True, True), res
+        assert res == (True, True, True, True, True, True), res

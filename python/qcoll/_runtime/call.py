@@ -6,14 +6,13 @@ here."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from .. import _C
+from .._thread_flag import ThreadFlag
 from .._device import CUDA, device_args, on_gpu
 from .steps import CallContext
 from .worker import Work
@@ -34,19 +33,11 @@ class Describe:
     __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
 
 
-_thread = threading.local()  # .uncounted: this thread's calls are left out of qcoll.stats()
-
-
-@contextlib.contextmanager
-def uncounted():
-    """The calls this thread issues inside are left out of qcoll.stats() (their Works still
-    hold their own bytes): qcoll's own measurements (the cost probe), not the user's traffic."""
-    previous = getattr(_thread, "uncounted", False)
-    _thread.uncounted = True
-    try:
-        yield
-    finally:
-        _thread.uncounted = previous
+# Inside `with uncounted():` the calls this thread issues are left out of qcoll.stats()
+# (their Works still hold their own bytes): qcoll's own measurements (the cost probe), not
+# the user's traffic.
+_uncounted = ThreadFlag()
+uncounted = _uncounted.on
 
 
 def drain(group) -> None:
@@ -113,7 +104,7 @@ def run(what: str, group, input: torch.Tensor, output: torch.Tensor, workspace_b
     comm = group.communicator(input.device)
     sequence = group._next_sequence()
     traffic = _C.Traffic()
-    counted = not getattr(_thread, "uncounted", False)  # read here: the call may run on the worker
+    counted = not _uncounted  # read here: the call may run on the worker
     describe = Describe(what, group, sequence)
 
     if gpu:
