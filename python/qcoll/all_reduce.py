@@ -146,7 +146,8 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
         finally:
             _C.add_traffic(ctx.traffic, list(parts), ctx.counter("all_reduce"))
 
-    return call.run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op, comms=reduce_scatter.comms)
+    return call.run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op, comms=reduce_scatter.comms,
+                    keep=tuple(r for r in (residual_in, residual_inter, residual_shard) if r is not None))
 
 
 def _transport_all_reduce(g, tensor: torch.Tensor, code: int, op: int, async_op: bool):

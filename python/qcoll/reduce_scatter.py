@@ -92,7 +92,8 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
             compensate_first_hop(source, residual, plan, group_size, g.size, n, hadamard_size)
         step.run(ctx, source, output, workspace, residual=inter)
 
-    return call.run(_WHAT, g, input, output, workspace_bytes, launch, async_op, comms=step.comms)
+    return call.run(_WHAT, g, input, output, workspace_bytes, launch, async_op, comms=step.comms,
+                    keep=tuple(r for r in (residual, inter) if r is not None))
 
 
 __all__ = ["quantized_reduce_scatter"]

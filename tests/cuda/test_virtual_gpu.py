@@ -101,3 +101,10 @@ def test_backend_none_takes_one_transport_on_every_rank():
     waiting in the NCCL communicator's creation."""
     results = run_virtual(2, "backend_none_agrees", 1, timeout=120)
     assert results == [{"nccl": False, "usable": False}] * 2, results
+
+
+def test_async_calls_keep_their_error_feedback_residuals():
+    results = run_virtual(4, "residuals_kept", 2, timeout=180)
+    for r in results:
+        assert r["all_reduce"] == (["input", "inter", "shard"], True), r
+        assert r["reduce_scatter"] == (["input", "inter"], True), r

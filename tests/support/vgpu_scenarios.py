@@ -367,3 +367,25 @@ def backend_none_agrees(rank: int, world: int, without: int) -> dict:
         qcoll.quantized_allgather(want, x, gloo, bits=8)
     ref.assert_same_bits(got, want, "allgather, backend=None")
     return {"nccl": g._nccl_comm is not None, "usable": g._nccl_usable}
+
+
+def residuals_kept(rank: int, world: int, node_size: int) -> dict:
+    """An async call with error feedback keeps its residuals referenced until it has run,
+    as it keeps its input and output: reset() before wait() frees nothing the call's
+    stream still writes."""
+    _check_setup()
+    g, _ = _groups(node_size)
+    out = {}
+    for name, call in (("all_reduce", lambda x, ef: qcoll.quantized_all_reduce(
+                           x, g, bits=8, inter_bits=4, error_feedback=ef, async_op=True)),
+                       ("reduce_scatter", lambda x, ef: qcoll.quantized_reduce_scatter(
+                           torch.empty(x.numel() // world), x, g, intra_bits=8, inter_bits=4,
+                           error_feedback=ef, async_op=True))):
+        ef = qcoll.ErrorFeedback()
+        work = call(torch.randn(world * 512), ef)
+        residuals = {id(r) for r in ef._residuals.values()}
+        kept = {id(t) for t in work._cuda.tensors}
+        out[name] = (sorted(ef._residuals), residuals <= kept)
+        ef.reset()
+        work.wait()
+    return out

@@ -84,7 +84,8 @@ def account(group, collective: str, bytes_per_peer: int) -> None:
 
 
 def run(what: str, group, input: torch.Tensor, output: torch.Tensor, workspace_bytes: int,
-        launch: Callable[[CallContext, torch.Tensor], None], async_op: bool, comms: tuple = ()):
+        launch: Callable[[CallContext, torch.Tensor], None], async_op: bool, comms: tuple = (),
+        keep: tuple = ()):
     """Run `launch(context, workspace)` as one call of the group: its steps (steps.py) in
     order, under one sequence number, with one Traffic and one Work.
 
@@ -94,7 +95,9 @@ def run(what: str, group, input: torch.Tensor, output: torch.Tensor, workspace_b
     tensors stay referenced until it has run. CUDA: the call runs on the family's
     communication stream, ordered after the caller's current stream (streams.py); comms:
     the call's other communicators (a 2-hop reduce-scatter's), whose recorded failures its
-    Work raises too."""
+    Work raises too. keep: other tensors the call reads or writes (error-feedback
+    residuals), referenced like input and output until it has run (a residual reset() and
+    freed meanwhile would otherwise be reused while the call's stream still writes it)."""
     if not output.is_inference():
         torch.autograd.graph.increment_version(output)
     kind, index, _ = device_args(input, "input")
@@ -112,7 +115,7 @@ def run(what: str, group, input: torch.Tensor, output: torch.Tensor, workspace_b
             launch(CallContext(comm, kind, index, stream.cuda_stream, lane.cuda_stream, sequence, traffic,
                                counted), workspace)
 
-        call = group._cuda.run(input.device, enqueue, workspace_bytes, (input, output), (comm, *comms),
+        call = group._cuda.run(input.device, enqueue, workspace_bytes, (input, output, *keep), (comm, *comms),
                                describe, async_op)
         return None if call is None else Work(traffic=traffic, cuda_call=call)
 
