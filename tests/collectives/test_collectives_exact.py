@@ -184,3 +184,40 @@ def test_unquantized_allgather_moves_any_dtype_as_raw_bytes(world, node_size):
     """FSDP2 all-gathers uint8 when a group mixes parameter dtypes: bits=None moves any dtype
     exactly (odd byte counts too), counted as raw bytes; quantizing one raises."""
     assert all(run_ranks(world, _raw_worker, node_size, [0, 1, 3, 17, 1000]))
+
+
+def _strided(numel: int, value: float) -> torch.Tensor:
+    """numel elements of `value`: at most one as a view of stride 2 (x[::2][:numel], which
+    torch calls contiguous), more as a plain tensor."""
+    if numel > 1:
+        return torch.full((numel,), value)
+    return torch.full((3,), value)[::2][:numel]
+
+
+def _strided_worker(rank, world):
+    """Tensors of at most one element that torch calls contiguous whatever their stride:
+    every unquantized call moves them as their one element."""
+    g = qcoll.new_group(node_size=1)
+    out = {}
+    for n in (0, 1):
+        full = _strided(world * n, float("nan"))
+        qcoll.quantized_allgather(full, _strided(n, float(rank + 1)), g, bits=None)
+        out[("allgather", n)] = full.tolist()
+        tensor = _strided(n, float(rank + 1))
+        qcoll.quantized_all_reduce(tensor, g, op="sum", bits=None)
+        out[("all_reduce", n)] = tensor.tolist()
+        shard = _strided(n, float("nan"))
+        qcoll.quantized_reduce_scatter(shard, _strided(world * n, float(rank + 1)), g, op="sum",
+                                       intra_bits=None, inter_bits=None)
+        out[("reduce_scatter", n)] = shard.tolist()
+    g.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_one_element_tensors_of_any_stride(world):
+    total = float(sum(range(1, world + 1)))
+    for out in run_ranks(world, _strided_worker, timeout=60):
+        assert out[("allgather", 1)] == [float(r + 1) for r in range(world)], out
+        assert out[("all_reduce", 1)] == [total] and out[("reduce_scatter", 1)] == [total], out
+        assert all(out[(c, 0)] == [] for c in ("allgather", "all_reduce", "reduce_scatter")), out

@@ -36,7 +36,11 @@ class CallBuffers:
     def bytes(self, buffer: int, offset: int, nbytes: int) -> torch.Tensor:
         view = self._views[buffer]
         if view is None:
-            view = self._views[buffer] = self._tensors[buffer].reshape(-1).view(torch.uint8)
+            t = self._tensors[buffer]
+            # torch calls a tensor of at most one element contiguous whatever its stride
+            # (x[::2][:1]); as bytes it needs stride 1, which addresses the same element.
+            flat = t.reshape(-1) if t.numel() > 1 else t.as_strided((t.numel(),), (1,))
+            view = self._views[buffer] = flat.view(torch.uint8)
         return view[offset:offset + nbytes]
 
     def pair(self, send: int, send_off: int, send_bytes: int, recv: int, recv_off: int,
