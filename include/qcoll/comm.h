@@ -83,6 +83,13 @@ class Communicator {
   // recv holds size() blocks of `bytes`, block q from member q.
   void all_gather(BufferRef send, BufferRef recv, int64_t bytes, const Device& dev,
                   Traffic& traffic);
+  // The call check's all-gather of call headers (wire_header.h's check_call), counted as
+  // an all-gather. A transport may run it on a channel of its own, apart from the
+  // payloads: a rank checking a signature its peers agreed on before (they skip the check)
+  // then waits for them until the timeout, instead of its header being taken for their
+  // payload (silent garbage) or their payload overrunning its header buffer (gloo aborts).
+  void exchange_call_headers(BufferRef send, BufferRef recv, int64_t bytes, const Device& dev,
+                             Traffic& traffic);
   // The transport's own reduce-scatter: send holds size() * count elements, recv count.
   void reduce_scatter(BufferRef send, BufferRef recv, int64_t count, DType dtype, ReduceOp op,
                       const Device& dev, Traffic& traffic);
@@ -104,6 +111,10 @@ class Communicator {
                              const Device& dev) = 0;
   virtual void do_all_gather(BufferRef send, BufferRef recv, int64_t bytes,
                              const Device& dev) = 0;
+  virtual void do_exchange_call_headers(BufferRef send, BufferRef recv, int64_t bytes,
+                                        const Device& dev) {
+    do_all_gather(send, recv, bytes, dev);
+  }
   virtual void do_reduce_scatter(BufferRef send, BufferRef recv, int64_t count, DType dtype,
                                  ReduceOp op, const Device& dev) = 0;
   virtual void do_all_reduce(BufferRef buf, int64_t count, DType dtype, ReduceOp op,

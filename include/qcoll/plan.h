@@ -31,6 +31,9 @@ struct ReduceScatterPlan {
   int64_t slice = 0;  // elements per stage slice (the last may be shorter or empty)
   int64_t header = 0;      // header bytes at the start of every slot
   int64_t call_check = 0;  // workspace bytes of the call check (wire_header.h), first
+  // The reduce-scatter half of an all-reduce of call_numel elements: the call check compares
+  // those (numel that pad to the same n differ there), as an all-reduce; -1: a reduce-scatter.
+  int64_t call_numel = -1;
   WireFormat first;   // the only hop (flat), or the intra-node hop
   // The inter-node hop; with one hop, the same as first: either way the format the call
   // crosses nodes with when the group spans several (the all-reduce gathers in it).
@@ -96,7 +99,8 @@ ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t 
                                       CodeFormat intra, CodeFormat inter, int64_t group_size,
                                       int32_t stages, int32_t hierarchical, bool headers = false,
                                       int64_t min_stage_bytes = kMinPipelineStageBytes,
-                                      int32_t hadamard_size = 0, bool raw_exchange = false);
+                                      int32_t hadamard_size = 0, bool raw_exchange = false,
+                                      int64_t call_numel = -1);
 
 // All-gather of n elements per rank: one slot per rank.
 struct AllGatherPlan {

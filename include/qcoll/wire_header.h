@@ -156,7 +156,7 @@ struct CallHeader {
   uint8_t stages = 0;    // the plan's stage count, clamped to 255
   uint8_t hadamard = 0;  // log2 of hadamard_size, 0: off
   uint32_t group_size = 0;
-  int64_t n = 0;  // elements per rank (all-gather input, reduce-scatter output)
+  int64_t n = 0;  // elements per rank (all-gather input, reduce-scatter output); an all-reduce's own
   uint32_t sequence = 0;
   int32_t sender = 0;
 };
@@ -173,8 +173,8 @@ inline std::string describe(const CallHeader& h) {
   const uint8_t raw = static_cast<uint8_t>(CodeFormat::kRaw);
   const CallKind kind = static_cast<CallKind>(h.kind);
   os << call_kind_name(kind) << " call " << h.sequence << ", " << h.n << " " << dtype_name(static_cast<DType>(h.dtype))
-     << " elements per rank, ";
-  if (kind == CallKind::kAllReduce) {
+     << (kind == CallKind::kAllReduce ? " elements, " : " elements per rank, ");
+  if (kind == CallKind::kAllReduce && !h.two_hop && h.first_format == raw) {  // the transport's
     os << name(h.first_format) << ", op " << reduce_op_name(static_cast<ReduceOp>(h.op));
   } else if (kind == CallKind::kAllGather) {
     os << name(h.first_format);
@@ -203,8 +203,8 @@ inline void check_call(Communicator& comm, const BufferRef& area, CallHeader min
   mine.sender = comm.rank();
   std::memcpy(base + int64_t{size} * kCallHeaderBytes, &mine, sizeof mine);
   traffic.header_bytes += kCallHeaderBytes * (size - 1);
-  comm.all_gather(area.at(int64_t{size} * kCallHeaderBytes), area, kCallHeaderBytes, device,
-                  traffic);
+  comm.exchange_call_headers(area.at(int64_t{size} * kCallHeaderBytes), area, kCallHeaderBytes,
+                             device, traffic);
   bool agree = true;
   for (int r = 0; r < size && agree; ++r) {
     CallHeader got;

@@ -38,6 +38,11 @@ ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES = 256 << 10
 # A band edge (gather_band): the band (1 MB, 4 MB] that holds the crossover takes the pairs
 # whole, so that a band's trial (GatherPaths) times the path its later gathers take.
 PAIRS_GATHER_ABOVE_BYTES = 1 << 20
+# The tag of the call check's send/recv pairs on gather_pg (the pairs' gathers use tag 0):
+# gloo matches pairs by tag, apart from each other and from its collectives. (On the
+# ProcessGroup of the other exchanges, send/recv pairs slowed the gloo all-reduces after
+# them: see ProcessGroupTransport.)
+CALL_CHECK_TAG = 0x5143
 
 
 def measures_gather_path(size: int, node_size: int, gathered_bytes: int) -> bool:
@@ -158,7 +163,11 @@ class ProcessGroupTransport:
         return opts
 
     def _failed(self, what: str, exc: Exception) -> CommunicationError:
-        return CommunicationError(f"{what} over {self.label}: {type(exc).__name__}: {exc}")
+        hint = ""
+        if "timed out" in str(exc).lower():  # a peer that is alive but elsewhere looks the same
+            hint = (" (a peer died or stalled, or is making another call: QCOLL_DEBUG=1 compares "
+                    "every call's arguments across ranks first)")
+        return CommunicationError(f"{what} over {self.label}: {type(exc).__name__}: {exc}{hint}")
 
     def all_to_all(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
         send, recv = buffers.pair(send_id, send_off, self.size * nbytes, recv_id, recv_off,
@@ -197,6 +206,30 @@ class ProcessGroupTransport:
             raise self._failed("all-gather", exc) from exc
         if measured is not None:
             self._log_choice(measured)
+
+    def exchange_call_headers(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
+        """The call check's all-gather of 32-byte headers, as send/recv pairs tagged
+        CALL_CHECK_TAG: gloo matches those apart from every collective, so a rank that checks
+        a signature its peers agreed on before (they skip to the payload) waits for them
+        until the timeout, naming the likely cause, instead of taking their payload for
+        headers or they its header for payload."""
+        if self.gather_pg is None:  # (an NCCL ProcessGroup: no host calls, so no checks)
+            return self.all_gather(buffers, send_id, send_off, recv_id, recv_off, nbytes)
+        send, recv = buffers.pair(send_id, send_off, nbytes, recv_id, recv_off, self.size * nbytes, nbytes)
+        slots = recv.view(self.size, -1)
+        peers = [p for p in range(self.size) if p != self.rank]
+        try:
+            works = [self.gather_pg.recv([slots[p]], p, CALL_CHECK_TAG) for p in peers]
+            works += [self.gather_pg.send([send], p, CALL_CHECK_TAG) for p in peers]
+            slots[self.rank].copy_(send)
+            for work in works:
+                work.wait()
+        except Exception as exc:  # noqa: BLE001 - named and re-raised
+            raise CommunicationError(
+                f"the call check over {self.label}: {type(exc).__name__}: {exc} (a peer died or "
+                f"stalled, or is making another call, one whose signature the group agreed on "
+                f"before, so it skipped the check; QCOLL_DEBUG=1 compares every call's arguments "
+                f"across ranks first)") from exc
 
     def _gather(self, recv, send, by_all_to_all: bool):
         if by_all_to_all and recv.numel() * recv.element_size() > PAIRS_GATHER_ABOVE_BYTES:
@@ -286,7 +319,7 @@ class SelfTransport:
     def all_to_all(self, buffers, send_id, send_off, recv_id, recv_off, nbytes):
         buffers.bytes(recv_id, recv_off, nbytes).copy_(buffers.bytes(send_id, send_off, nbytes))
 
-    all_gather = all_to_all
+    all_gather = exchange_call_headers = all_to_all
 
     def all_reduce(self, buffers, buf_id, offset, count, dtype_code, op):
         pass  # one rank: the values are the result

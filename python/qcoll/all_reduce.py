@@ -98,7 +98,7 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     n = -(-(numel - tail) // size)  # shard elements; the tensor less its tail is padded to size * n
     device = tensor.device
     reduce_scatter = ReduceScatter(g, n, code, op_code, rs.intra_code, rs.inter_code, group_size, stages,
-                                   hierarchical, device, raw_exchange=raw_exchange)
+                                   hierarchical, device, raw_exchange=raw_exchange, call_numel=numel)
     rs_plan = reduce_scatter.plan
     # The shards cross nodes (if the group spans several) in the format the plan crosses them with.
     gather_format = rs_plan.second_format

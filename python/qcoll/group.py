@@ -2,7 +2,7 @@
 with the intra-node and inter-node sub-groups the hierarchical collectives use.
 
 A Group communicates over ProcessGroups of its own (created with the parent's timeout, or
-new_group(..., timeout=)), on a worker thread of its own (_calls.CallQueue) shared with its
+new_group(..., timeout=)), on a worker thread of its own (qcoll._runtime.worker.CallQueue) shared with its
 sub-groups: never over the caller's ProcessGroup, so it cannot race the caller's own
 collectives or another Group's."""
 
@@ -41,7 +41,7 @@ class Group:
     def __init__(self, pg, node_size: int, backend: Optional[str], *, timeout: timedelta,
                  _singleton: bool = False, _owned_pg=None, _role: str = "group",
                  _family: Optional[tuple] = None, _host_ranks: int = 1):
-        self.pg = pg  # the caller's ProcessGroup (QCOLL_DEBUG checks, NCCL setup)
+        self.pg = pg  # the caller's, or for a sub-group qcoll's own (QCOLL_DEBUG checks, NCCL setup)
         self.backend = backend
         self.node_size = node_size
         self.timeout = timeout
@@ -256,7 +256,7 @@ def _asked_node_size(pg, size: int, node_size) -> Optional[int]:
     """This rank's node size: the one passed, else LOCAL_WORLD_SIZE for the default group
     (None: from the hosts); a value the group cannot take raises ValueError."""
     if node_size is not None:
-        if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1 or size % node_size:
+        if node_size < 1 or size % node_size:
             raise ValueError(f"node_size must be a positive divisor of the group size {size}, got {node_size!r}")
         return node_size
     local = _local_world_size() if pg is dist.group.WORLD else None
@@ -332,6 +332,10 @@ def new_group(pg=None, *, node_size: Optional[int] = None, backend: Optional[str
     if timeout is not None and not (isinstance(timeout, timedelta) and timeout > timedelta(0)):
         raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
     size = dist.get_world_size(pg)
+    if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int)):
+        # Not a number at all: the code's own error, the same on every rank, so raised before
+        # any exchange; a number this group cannot take is exchanged first (_gather_hosts).
+        raise ValueError(f"node_size must be a positive divisor of the group size {size}, got {node_size!r}")
     hosts, node_size = _gather_hosts(pg, size, node_size)
     if node_size is None:
         node_size = _node_size_from_hosts(hosts)

@@ -23,7 +23,7 @@ ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t 
                                       CodeFormat intra, CodeFormat inter, int64_t group_size,
                                       int32_t stages, int32_t hierarchical, bool headers,
                                       int64_t min_stage_bytes, int32_t hadamard_size,
-                                      bool raw_exchange) {
+                                      bool raw_exchange, int64_t call_numel) {
   QCOLL_ARG_CHECK(world >= 1 && node_size >= 1 && world % node_size == 0, "node_size ",
                   node_size, " must divide the group size ", world);
   QCOLL_ARG_CHECK(n >= 0, "output numel must be >= 0, got ", n);
@@ -45,6 +45,7 @@ ReduceScatterPlan plan_reduce_scatter(int32_t world, int32_t node_size, int64_t 
   p.slice = (n + p.stages - 1) / p.stages;
   p.header = headers ? kHeaderBytes : 0;
   p.call_check = headers ? (world + 1) * kCallHeaderBytes : 0;
+  p.call_numel = call_numel;
   if (p.two_hop) {
     p.first = wire(intra, group_size, dtype, hadamard_size);
     // An unquantized inter-node hop carries the fp32 partial sums: bf16/fp16 inputs are

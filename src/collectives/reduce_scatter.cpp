@@ -176,7 +176,8 @@ void reduce_scatter(const ReduceScatterPlan& p, const CollectiveBuffers& b, DTyp
   traffic.calls += 1;
   if (p.call_check) {
     CallHeader call;
-    call.kind = static_cast<uint8_t>(CallKind::kReduceScatter);
+    const bool all_reduce = p.call_numel >= 0;  // checked as the all-reduce it is half of
+    call.kind = static_cast<uint8_t>(all_reduce ? CallKind::kAllReduce : CallKind::kReduceScatter);
     call.dtype = static_cast<uint8_t>(dtype);
     call.first_format = static_cast<uint8_t>(p.first.format);
     call.second_format = static_cast<uint8_t>(p.two_hop ? p.second.format : CodeFormat::kRaw);
@@ -187,7 +188,7 @@ void reduce_scatter(const ReduceScatterPlan& p, const CollectiveBuffers& b, DTyp
     call.group_size = p.encodes_input() || p.reencodes_partial_sums()
                           ? static_cast<uint32_t>(p.first.group_size) : 0;
     call.sequence = sequence;
-    call.n = p.n;
+    call.n = all_reduce ? p.call_numel : p.n;
     check_call(world, b.workspace, call, device, traffic);
   }
   if (p.transport_reduces()) {  // the baseline: the transport's reduce-scatter

@@ -47,6 +47,13 @@ void Communicator::all_gather(BufferRef send, BufferRef recv, int64_t bytes, con
   do_all_gather(send, recv, bytes, dev);
 }
 
+void Communicator::exchange_call_headers(BufferRef send, BufferRef recv, int64_t bytes,
+                                         const Device& dev, Traffic& traffic) {
+  QCOLL_CHECK(bytes >= 0, "call header exchange of ", bytes, " bytes");
+  count(bytes, traffic);
+  do_exchange_call_headers(send, recv, bytes, dev);
+}
+
 void Communicator::reduce_scatter(BufferRef send, BufferRef recv, int64_t count_, DType dtype,
                                   ReduceOp op, const Device& dev, Traffic& traffic) {
   QCOLL_CHECK(count_ >= 0, "reduce_scatter of ", count_, " elements");

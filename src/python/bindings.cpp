@@ -155,18 +155,18 @@ void bind_collectives(py::module_& m) {
       "plan_reduce_scatter",
       [](int world, int node_size, int64_t n, int dtype, int intra_format, int inter_format,
          int64_t group_size, int stages, int hierarchical, bool headers, int64_t min_stage_bytes,
-         int hadamard_size, bool raw_exchange) {
+         int hadamard_size, bool raw_exchange, int64_t call_numel) {
         return qcoll::plan_reduce_scatter(world, node_size, n, static_cast<qcoll::DType>(dtype),
                                           static_cast<qcoll::CodeFormat>(intra_format),
                                           static_cast<qcoll::CodeFormat>(inter_format), group_size,
                                           stages, hierarchical, headers, min_stage_bytes,
-                                          hadamard_size, raw_exchange);
+                                          hadamard_size, raw_exchange, call_numel);
       },
       py::arg("world"),
         py::arg("node_size"), py::arg("n"), py::arg("dtype"), py::arg("intra_format"),
         py::arg("inter_format"), py::arg("group_size"), py::arg("stages"), py::arg("hierarchical"),
         py::arg("headers") = false, py::arg("min_stage_bytes") = qcoll::kMinPipelineStageBytes,
-        py::arg("hadamard_size") = 0, py::arg("raw_exchange") = false);
+        py::arg("hadamard_size") = 0, py::arg("raw_exchange") = false, py::arg("call_numel") = -1);
   py::class_<qcoll::AllGatherPlan>(m, "AllGatherPlan")
       .def_property_readonly("chunk", &qcoll::AllGatherPlan::chunk)
       .def_readonly("header", &qcoll::AllGatherPlan::header)

@@ -39,6 +39,13 @@ class TorchCommunicator : public Communicator {
                                   recv.offset, bytes);
   }
 
+  void do_exchange_call_headers(BufferRef send, BufferRef recv, int64_t bytes,
+                                const Device&) override {
+    pybind11::gil_scoped_acquire gil;
+    transport_.attr("exchange_call_headers")(table(send, recv), send.buffer, send.offset,
+                                             recv.buffer, recv.offset, bytes);
+  }
+
   void do_reduce_scatter(BufferRef send, BufferRef recv, int64_t count, DType dtype, ReduceOp op,
                          const Device&) override {
     pybind11::gil_scoped_acquire gil;

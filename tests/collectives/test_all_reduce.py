@@ -166,10 +166,11 @@ def _accounting_worker(rank, world, node_size):
     assert stats["all_reduce"] == {**work.traffic}
     assert stats["all_reduce"]["calls"] == 1
     assert stats["reduce_scatter"]["calls"] == stats["allgather"]["calls"] == 0
-    qcoll.reset_stats()
     shard = torch.empty(n, dtype=torch.bfloat16)
-    qcoll.quantized_reduce_scatter(shard, x.clone(), g, intra_bits=8, inter_bits=4, pipeline_stages=2)
-    qcoll.quantized_allgather(torch.empty(numel, dtype=torch.bfloat16), shard, g, bits=4)
+    for measured in (False, True):  # the standalone reduce-scatter's signature is its own
+        qcoll.reset_stats()
+        qcoll.quantized_reduce_scatter(shard, x.clone(), g, intra_bits=8, inter_bits=4, pipeline_stages=2)
+        qcoll.quantized_allgather(torch.empty(numel, dtype=torch.bfloat16), shard, g, bits=4)
     halves = qcoll.stats()
     for key in ("intra_bytes", "inter_bytes", "header_bytes"):
         assert work.traffic[key] == halves["reduce_scatter"][key] + halves["allgather"][key], key

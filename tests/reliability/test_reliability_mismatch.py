@@ -1,9 +1,11 @@
 """Issue 14.1: ranks that disagree never get wrong data, with or without QCOLL_DEBUG.
 
-Every CPU call first all-gathers a fixed-size call header, so a disagreement (size, dtype,
-code format, op, stages, hop layout) raises the same ValueError on every rank, listing each
-rank's values, before any message whose size depends on them is sent; the group stays
-usable. Every wire chunk also carries a header that the receiver checks before decoding:
+The first CPU call of each signature first all-gathers a fixed-size call header, so a
+disagreement (size, dtype, code format, op, stages, hop layout; an all-reduce's element
+count) raises the same ValueError on every rank, listing each rank's values, before any
+message whose size depends on them is sent; the group stays usable. A rank that moves on
+alone to a new call while its peers repeat an agreed one (they skip the check) waits on the
+check's own channel: every rank raises CommunicationError within the timeout. Every wire chunk also carries a header that the receiver checks before decoding:
 a stale or misrouted chunk raises instead of being decoded. Header bytes are counted in
 qcoll.stats() and stay under 1% at the default group size for chunks >= 64 KB."""
 
@@ -26,6 +28,10 @@ def _ag(n, **kw):
     return lambda g, w: qcoll.quantized_allgather(torch.empty(w * n), torch.ones(n), g, **kw)
 
 
+def _ar(n, **kw):
+    return lambda g, w: qcoll.quantized_all_reduce(torch.ones(n), g, **kw)
+
+
 # name -> (rank 0's call, everyone else's call, words every rank's message must contain)
 MISMATCHES = {
     "rs_numel": (_rs(N + 24), _rs(N), ["quantized_reduce_scatter", "1024 float32", "1000 float32"]),
@@ -42,6 +48,9 @@ MISMATCHES = {
     "ag_bits": (_ag(N, bits=4), _ag(N), ["int4", "int8"]),
     "ag_bits_none": (_ag(N, bits=None), _ag(N), ["raw", "int8"]),
     "ag_fp8": (_ag(N, bits="fp8_e4m3"), _ag(N, bits="int8"), ["fp8_e4m3", "int8"]),
+    # Both pad to the same shard (251 elements on 4 ranks, 501 on 2): the check compares numel.
+    "ar_numel": (_ar(N + 1), _ar(N + 2), ["quantized_all_reduce", "1001 float32 elements",
+                                          "1002 float32 elements"]),
 }
 TWO_HOP_ONLY = {  # on one node these arguments do not change the call
     "rs_hierarchical": (_rs(N, hierarchical=False), _rs(N), ["1-hop", "2-hop"]),
@@ -164,3 +173,36 @@ def test_header_bytes_stay_under_one_percent_for_64kb_chunks():
             total = s["intra_bytes"] + s["inter_bytes"]
             assert s["header_bytes"] > 0 and s["header_bytes"] / total < 0.01, (kind, s)
             assert s["header_bytes"] / total < 0.001, (kind, s)  # 32-byte headers on 64 KB+
+
+
+# ---- a rank that moves on to a call its peers do not make ---------------------------------
+TIMEOUT_S = 4.0
+
+
+def _diverging_worker(rank, world, case):
+    """Every rank makes call A (its signature agreed), then rank 1 makes a new call B while
+    the others make A again, which they skip checking: every rank raises within the
+    timeout, none returns (wrong data), none is killed by gloo."""
+    import time
+    from datetime import timedelta
+
+    g = qcoll.new_group(node_size=2, timeout=timedelta(seconds=TIMEOUT_S))
+    a, b = {"ag_raw_numel": (_ag(16, bits=None), _ag(17, bits=None)),
+            "rs_op": (_rs(N), _rs(N, op="sum")),
+            "ar_numel": (_ar(N + 1), _ar(N + 3))}[case]
+    a(g, world)
+    start = time.monotonic()
+    try:
+        (b if rank == 1 else a)(g, world)
+    except qcoll.CommunicationError as exc:
+        return time.monotonic() - start, str(exc)
+    return time.monotonic() - start, None
+
+
+@pytest.mark.parametrize("case", ["ag_raw_numel", "rs_op", "ar_numel"])
+def test_a_rank_moving_on_to_a_new_call_alone_fails_every_rank_within_the_timeout(case):
+    results = run_ranks(4, _diverging_worker, case, timeout=90)
+    for rank, (elapsed, msg) in enumerate(results):
+        assert msg is not None, f"rank {rank} returned from a call its peers did not make"
+        assert elapsed < TIMEOUT_S + 5.0, (rank, elapsed)
+    assert "call check" in results[1][1] and "QCOLL_DEBUG=1" in results[1][1], results[1][1]

@@ -44,9 +44,10 @@ def _all_gather_plan(size, n, code, wire_format, group_size, headers):
 
 @functools.lru_cache(maxsize=1024)
 def _reduce_scatter_plan(size, node_size, n, code, intra, inter, group_size, stages, hierarchical,
-                         headers, min_stage_bytes, hadamard_size, raw_exchange):
+                         headers, min_stage_bytes, hadamard_size, raw_exchange, call_numel):
     return _C.plan_reduce_scatter(size, node_size, n, code, intra, inter, group_size, stages,
-                                  hierarchical, headers, min_stage_bytes, hadamard_size, raw_exchange)
+                                  hierarchical, headers, min_stage_bytes, hadamard_size, raw_exchange,
+                                  call_numel)
 
 
 class AllGather:
@@ -73,17 +74,19 @@ class ReduceScatter:
     2-hop, its stages and each hop's format) and, for the 2-hop path, the intra and inter
     communicators (whose recorded failures the call's Work raises too: `comms`).
     raw_exchange: a flat unquantized call exchanges the raw inputs and sums them in fp32
-    (rounding once) instead of being the transport's own reduce-scatter."""
+    (rounding once) instead of being the transport's own reduce-scatter. call_numel: the
+    elements of the all-reduce this is the first half of (its call check compares them),
+    -1 for a reduce-scatter."""
 
     __slots__ = ("plan", "code", "op", "_intra", "_inter")
 
     def __init__(self, g, n: int, code: int, op: int, intra_format: int, inter_format: int,
                  group_size: int, stages: int, hierarchical, device: torch.device, hadamard_size: int = 0,
-                 raw_exchange: bool = False):
+                 raw_exchange: bool = False, call_numel: int = -1):
         hier = -1 if hierarchical is None else int(hierarchical)
         self.plan = _reduce_scatter_plan(g.size, g.node_size, n, code, intra_format, inter_format,
                                          group_size, stages, hier, not on_gpu(device), MIN_STAGE_BYTES,
-                                         hadamard_size, raw_exchange)
+                                         hadamard_size, raw_exchange, call_numel)
         self.code, self.op = code, op
         two_hop = self.plan.two_hop
         self._intra = g.intra.communicator(device) if two_hop else None
