@@ -175,7 +175,9 @@ _MODEL_KIND = {"allgather": "allgather", "delta_allgather": "allgather",
 
 def label(kind: str, policy, model) -> str:
     """A choice's name in stats() and the log: "uncompressed", or "quantized" with the path
-    the core's plan takes (flat / 2-hop, stages) for a reduce-scatter or all-reduce."""
+    (flat / 2-hop) and the pipeline stages requested, for a reduce-scatter or all-reduce
+    (the core's plan runs fewer where slices would be under MIN_PIPELINE_STAGE_BYTES: then
+    the candidates of 1 and 2 stages are one call, predicted alike, and the first is taken)."""
     name = model.kind(_MODEL_KIND[kind], policy)
     stages = getattr(policy, "pipeline_stages", 1)
     return name if name in (UNCOMPRESSED, "quantized") or stages == 1 else f"{name}, {stages} stages"

@@ -25,7 +25,8 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
                              hadamard: bool = False, hadamard_size: Optional[int] = None,
                              async_op: bool = False, policy=None):
     """reduce_scatter_tensor semantics: rank r's output = op over ranks of
-    input[r*n:(r+1)*n], n = output.numel(). op: "avg" (true mean) or "sum"; reduced in fp32.
+    input[r*n:(r+1)*n], n = output.numel(). op: "avg" (true mean) or "sum"; reduced in fp32
+    (but for the transport's own call, below).
 
     Several nodes: 2-hop (intra-node all-to-all at intra_bits, fp32 reduce, inter-node
     all-to-all at inter_bits), pipelined over pipeline_stages slices (fewer where a slice
@@ -35,8 +36,8 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     dtype; an unquantized inter-node hop carries the fp32 partial sums instead, so with both
     None a bf16/fp16 result is rounded once, within half an ulp of the exact sum (or mean)
     up to fp32 summation error (gloo's and NCCL's own bf16 sums round at every step). With
-    hierarchical=False and the one hop unquantized this is the transport's own
-    reduce-scatter (its own summation, in the input dtype).
+    one hop (one node, or hierarchical=False) and it unquantized this is the transport's
+    own reduce-scatter, torch's same call: its own summation, in the input dtype.
 
     error_feedback: a qcoll.ErrorFeedback kept for this input: the residual of this rank's
     previous first-hop encode is added to the input before encoding (the input itself is
