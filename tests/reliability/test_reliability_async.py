@@ -85,6 +85,9 @@ def _chained_worker(rank, world):
     w1 = qcoll.quantized_all_reduce(a, g, op="sum", bits=None, async_op=True)
 
     def then(fut):  # a DDP-style second phase: one more (synchronous) call on the group
+        from qcoll._runtime import call
+
+        call.drain(g)  # as a new auto description or QCOLL_DEBUG's check does first: returns
         qcoll.quantized_all_reduce(c, g, op="sum", bits=None)
         return fut.value()
 

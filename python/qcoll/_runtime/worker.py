@@ -177,8 +177,12 @@ class CallQueue:
             raise error
 
     def drain(self) -> None:
-        """Wait until every call queued so far has run."""
-        self.refuse_waiting_on_itself("qcoll (a call that first waits for the group's queued calls)")
+        """Wait until every call queued so far has run (so that the caller may use the
+        family's ProcessGroups itself: never two threads on one). On the worker thread (a
+        callback chained on a call) nothing runs meanwhile and the queued calls run on this
+        thread after it, so that already holds: it returns at once."""
+        if self._thread is not None and threading.current_thread() is self._thread:
+            return
         with self._lock:
             running = self._thread is not None and not self._closed
             if running:
