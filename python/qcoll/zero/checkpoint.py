@@ -107,9 +107,11 @@ def _sharded_state(opt_state: dict, flat, sharding: _Sharding) -> dict:
 def _optimizer_state_shapes(optimizer) -> dict:
     """The state an optimizer will hold, for one that has none yet (dcp.load fills the state
     dict it is given, so the entries must exist): one step at lr 0 on zero gradients, then
-    parameters, learning rates and state put back as they were."""
+    parameters, their gradients (a state_dict() between backward() and the first step must
+    not lose them), learning rates and state put back as they were."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     saved = [p.detach().clone() for p in params]
+    grads = [p.grad for p in params]  # gradients accumulated before the first step: kept
     lrs = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
         g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
@@ -121,9 +123,9 @@ def _optimizer_state_shapes(optimizer) -> dict:
     finally:
         for g, lr in zip(optimizer.param_groups, lrs):
             g["lr"] = lr
-        for p, s in zip(params, saved):
+        for p, s, grad in zip(params, saved, grads):
             p.copy_(s)
-            p.grad = None
+            p.grad = grad
         optimizer.state.clear()
 
 

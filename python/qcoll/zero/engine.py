@@ -242,7 +242,10 @@ class ZeroEngine:
         self._wait(unit)
         unit.start_backward()
         nxt = self._backward_next.get(unit.index) if self.config.prefetch else None
-        if nxt is not None and self.units[nxt].state in (UnitState.SHARDED, UnitState.SECONDARY_KEPT):
+        # Only a unit this step's forward ran (a unit skipped on every rank this step, by a
+        # branch or layer drop, has no backward, nor with hpZ a secondary shard to gather).
+        if nxt is not None and self.units[nxt].forward_calls > 0 and self.units[nxt].state in (
+                UnitState.SHARDED, UnitState.SECONDARY_KEPT):
             self._gather(self.units[nxt], BACKWARD)
 
     def _make_grad_ready(self, unit: Unit):
@@ -300,7 +303,8 @@ class ZeroEngine:
                 g.div_(self.scaler.scale)
             overflow = torch.tensor([0.0 if all(torch.isfinite(g).all() for g in grads) else 1.0],
                                     device=self._flag_device())
-            dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.group.pg)
+            if self.group.size > 1:  # a one-rank Group's pg is None: the whole world
+                dist.all_reduce(overflow, op=dist.ReduceOp.MAX, group=self.group.pg)
             self.scaler.update(bool(overflow.item()))
             if overflow.item():
                 self.zero_grad()
@@ -322,7 +326,8 @@ class ZeroEngine:
         for f in self.flat_params:
             if f.master.grad is not None:
                 sq += f.master.grad.double().pow(2).sum().to(sq.device)
-        dist.all_reduce(sq, group=self.group.pg)
+        if self.group.size > 1:  # a one-rank Group's pg is None: the whole world
+            dist.all_reduce(sq, group=self.group.pg)
         norm = float(sq.sqrt())
         if norm > max_norm:
             for f in self.flat_params:
