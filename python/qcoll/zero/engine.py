@@ -373,8 +373,9 @@ class ZeroEngine:
     # ---- inspection ------------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """Every parameter (tied names included) in full fp32 and every persistent buffer, in
-        state_dict() order, identical on all ranks."""
+        """Every parameter (tied names included) in full fp32, identical on all ranks, and
+        every persistent buffer as this rank holds it (the engine does not synchronize
+        buffers: BatchNorm's running statistics differ between ranks), in state_dict() order."""
         full = {}
         for flat in self.flat_params:
             gathered = torch.empty(flat.padded_numel, dtype=torch.float32, device=flat.master.device)
