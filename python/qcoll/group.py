@@ -252,12 +252,16 @@ def _local_world_size() -> Optional[int]:
     return ranks
 
 
+def _node_size_error(size: int, node_size) -> ValueError:
+    return ValueError(f"node_size must be a positive divisor of the group size {size}, got {node_size!r}")
+
+
 def _asked_node_size(pg, size: int, node_size) -> Optional[int]:
     """This rank's node size: the one passed, else LOCAL_WORLD_SIZE for the default group
     (None: from the hosts); a value the group cannot take raises ValueError."""
     if node_size is not None:
         if node_size < 1 or size % node_size:
-            raise ValueError(f"node_size must be a positive divisor of the group size {size}, got {node_size!r}")
+            raise _node_size_error(size, node_size)
         return node_size
     local = _local_world_size() if pg is dist.group.WORLD else None
     if local is not None and size % local:
@@ -335,7 +339,7 @@ def new_group(pg=None, *, node_size: Optional[int] = None, backend: Optional[str
     if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int)):
         # Not a number at all: the code's own error, the same on every rank, so raised before
         # any exchange; a number this group cannot take is exchanged first (_gather_hosts).
-        raise ValueError(f"node_size must be a positive divisor of the group size {size}, got {node_size!r}")
+        raise _node_size_error(size, node_size)
     hosts, node_size = _gather_hosts(pg, size, node_size)
     if node_size is None:
         node_size = _node_size_from_hosts(hosts)

@@ -117,11 +117,15 @@ class CallQueue:
         self._failure: Optional[str] = None
         self._closed = False
 
+    def _on_worker(self) -> bool:
+        """Whether the caller is this queue's worker thread (a callback chained on a call)."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def refuse_waiting_on_itself(self, describe: str) -> None:
         """Raise where the worker thread itself would wait for the queue: a callback chained
         on a call's Work (a done-callback, get_future().then) runs on the thread that runs
         the calls queued after it, so it would wait for itself, past any timeout."""
-        if self._thread is not None and threading.current_thread() is self._thread:
+        if self._on_worker():
             raise RuntimeError(
                 f"{describe} waits for calls queued on its qcoll group from the group's own worker "
                 f"thread (a callback chained on a qcoll Work runs there), which would wait for itself: "
@@ -155,7 +159,7 @@ class CallQueue:
             # On the worker thread (a callback chained on a call that just ran) nothing runs
             # but this thread: the call runs now, before the calls queued behind the one whose
             # completion ran the callback, rather than wait for them to run on this thread.
-            inline = self._pending == 0 or threading.current_thread() is self._thread
+            inline = self._pending == 0 or self._on_worker()
             if inline:
                 self._pending += 1
         if not inline:
@@ -181,7 +185,7 @@ class CallQueue:
         family's ProcessGroups itself: never two threads on one). On the worker thread (a
         callback chained on a call) nothing runs meanwhile and the queued calls run on this
         thread after it, so that already holds: it returns at once."""
-        if self._thread is not None and threading.current_thread() is self._thread:
+        if self._on_worker():
             return
         with self._lock:
             running = self._thread is not None and not self._closed
