@@ -199,9 +199,10 @@ def _diverging_worker(rank, world, case):
     return time.monotonic() - start, None
 
 
+@pytest.mark.parametrize("world", [4, 6])  # 2 x 2 and 3 x 2
 @pytest.mark.parametrize("case", ["ag_raw_numel", "rs_op", "ar_numel"])
-def test_a_rank_moving_on_to_a_new_call_alone_fails_every_rank_within_the_timeout(case):
-    results = run_ranks(4, _diverging_worker, case, timeout=90)
+def test_a_rank_moving_on_to_a_new_call_alone_fails_every_rank_within_the_timeout(case, world):
+    results = run_ranks(world, _diverging_worker, case, timeout=90)
     for rank, (elapsed, msg) in enumerate(results):
         assert msg is not None, f"rank {rank} returned from a call its peers did not make"
         assert elapsed < TIMEOUT_S + 5.0, (rank, elapsed)
