@@ -248,7 +248,7 @@ def _full_values(engine, state: Dict[str, torch.Tensor]) -> tuple:
     for name, (_, canon) in engine._aliases.items():
         if name in state:
             names.setdefault(canon, []).append(name)
-    buffers = {n: b for n, b in engine.module.state_dict(keep_vars=True).items() if n not in engine._aliases}
+    buffers = {n: b for n, b in engine._module_entries().items() if n not in engine._aliases}
     unexpected = sorted(k for k in state if k not in engine._aliases and k not in buffers)
     missing = sorted({canon for _, canon in engine._aliases.values()} - set(names))
     missing += sorted(k for k in buffers if k not in state)

@@ -14,6 +14,7 @@ every rank's full buffers (EngineComms.publish_weights).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -85,6 +86,17 @@ class ZeroEngine:
         self._backward_order: List[int] = []  # units in the order their backward started
         self._backward_next: Dict[int, int] = {}  # unit -> the unit whose backward comes next
         self._call = 0  # this forward's position in _forward_calls
+        # Reduce-scatters are issued in one order that every rank shares (as DDP issues its
+        # buckets), whatever order autograd completes units in: ranks whose losses reach
+        # different parameters (an auxiliary loss on some ranks) then still pair each unit's
+        # reduce-scatter with the same unit's. Until the first backward: descending unit
+        # index; after it, the order rank 0's first backward completed them in.
+        self._reduce_order: List[int] = [u.index for u in reversed(self.units) if u.requires_grad]
+        self._reduces_issued = 0  # this backward's position in _reduce_order
+        self._completed_order: List[int] = []  # units in the order autograd completed them
+        # Stage 2's weight all-gathers: flat indices in the order the forward first uses
+        # them, agreed by every rank like _reduce_order (a rank may skip a unit).
+        self._publish_order: List[int] = [f.index for f in self.flat_params]
         self._publishing: Dict[int, object] = {}  # flat index -> its weights' all-gather Work
         self._register_hooks()
         if self.resident:
@@ -112,6 +124,7 @@ class ZeroEngine:
             if flats:
                 self.units.append(Unit(len(self.units), names[id(module)], module, flats))
         self._aliases = {name: (canonical[canon], canon) for name, canon in aliases.items()}
+        self._unit_of = {f.index: u.index for u in self.units for f in u.flats}  # flat -> unit
 
     def _register_hooks(self) -> None:
         self.module.register_forward_pre_hook(self._forward_begin, prepend=True)
@@ -122,6 +135,35 @@ class ZeroEngine:
                 for p in flat.params:
                     p.register_post_accumulate_grad_hook(self._make_grad_ready(unit))
         self.module.register_forward_hook(self._forward_end)
+        if not self.resident:  # stage 3: outside forward the parameters are placeholders
+            for module in self.module.modules():
+                if next(module.parameters(), None) is not None:
+                    module.register_state_dict_pre_hook(self._refuse_module_state_dict)
+                    module.register_load_state_dict_pre_hook(self._refuse_module_load)
+        self._reading_module = False  # _module_entries() is reading the module's state dict
+
+    def _refuse_module_state_dict(self, module, prefix, keep_vars):
+        if not self._reading_module:
+            raise RuntimeError(
+                "qcoll.zero: state_dict() of a module whose weights ZeroEngine shards (stage 3) would "
+                "hold none: outside forward each parameter is an empty placeholder. "
+                "Call engine.full_state_dict() on every rank for a plain state dict of the full "
+                "weights, or save engine.state_dict() with torch.distributed.checkpoint")
+
+    def _refuse_module_load(self, module, state_dict, prefix, *args):
+        raise RuntimeError(
+            "qcoll.zero: load_state_dict() of a module whose weights ZeroEngine shards (stage 3) "
+            "cannot reach them. Call engine.load_full_state_dict(state) on every rank with a "
+            "plain state dict, or engine.load_state_dict() with one torch.distributed.checkpoint filled")
+
+    def _module_entries(self) -> Dict[str, torch.Tensor]:
+        """The module's own state_dict(keep_vars=True) (its names, and its buffers), which
+        its state-dict hooks refuse to users in stage 3."""
+        self._reading_module = True
+        try:
+            return self.module.state_dict(keep_vars=True)
+        finally:
+            self._reading_module = False
 
     # ---- gathering -----------------------------------------------------------------------
     def _gather(self, unit: Unit, phase: str) -> None:
@@ -146,10 +188,10 @@ class ZeroEngine:
 
     def _forward_ordered(self, flats: List[FlatParam]) -> List[FlatParam]:
         """flats in the order the recorded forward first uses their units (the calls
-        complete in issue order, so the first unit's weights arrive first), then the rest."""
-        unit_of = {f.index: u.index for u in self.units for f in u.flats}
-        first_use = {u: k for k, u in reversed(list(enumerate(self._forward_calls)))}
-        return sorted(flats, key=lambda f: first_use.get(unit_of[f.index], len(first_use)))
+        complete in issue order, so the first unit's weights arrive first), as every rank
+        agreed it (_agree_orders)."""
+        position = {index: k for k, index in enumerate(self._publish_order)}
+        return sorted(flats, key=lambda f: position[f.index])
 
     def _wait_published(self, flats: List[FlatParam]) -> None:
         for flat in flats:
@@ -175,6 +217,8 @@ class ZeroEngine:
 
     # ---- forward -------------------------------------------------------------------------
     def _forward_begin(self, module, args):
+        if not all(unit.at_rest for unit in self.units) or self._reduces_issued:
+            self._recover_from_abandoned_pass()
         self._call = 0
         for unit in self.units:
             unit.new_forward()
@@ -216,6 +260,19 @@ class ZeroEngine:
             return None
         return hook
 
+    def _recover_from_abandoned_pass(self) -> None:
+        """The last forward or backward raised (a caught out-of-memory error, a failing
+        hook) and left units gathered, in use or waiting for gradients: finish its calls in
+        flight (every rank that raised at the same point issued the same ones) and start
+        again from the shards. Its reduced gradients stay accumulated until zero_grad()."""
+        self.comm.finish_reduces()
+        for unit in self.units:
+            self._wait_published(unit.flats)
+            unit.abandon(lambda fn: self.comm.timed("gather", fn))
+        self._reduces_issued = 0
+        if not self._order_known:  # record the next step's orders from scratch
+            self._backward_order, self._completed_order = [], []
+
     # ---- backward ------------------------------------------------------------------------
     def _register_pre_backward(self, output, unit: Unit) -> None:
         """Gather the unit again when autograd reaches its module's outputs' gradients."""
@@ -251,8 +308,22 @@ class ZeroEngine:
     def _make_grad_ready(self, unit: Unit):
         def hook(param):
             if unit.grad_arrived():
-                self._reduce(unit)
+                if not self._order_known:
+                    self._completed_order.append(unit.index)
+                self._issue_reduces(until_incomplete=True)
         return hook
+
+    def _issue_reduces(self, until_incomplete: bool) -> None:
+        """Issue the reduce-scatters due in the shared order: those of units autograd has
+        completed, stopping at the first that it has not (until_incomplete), or all the rest
+        (the end of backward: a unit with unused parameters reduces what it has)."""
+        order = self._reduce_order
+        while self._reduces_issued < len(order):
+            unit = self.units[order[self._reduces_issued]]
+            if until_incomplete and not unit.grads_complete:
+                return
+            self._reduces_issued += 1
+            self._reduce(unit)
 
     def _reduce(self, unit: Unit) -> None:
         self._wait(unit)
@@ -269,11 +340,10 @@ class ZeroEngine:
         """loss.backward() (scaled for fp16), then every unit's gradient reduce-scattered
         into the fp32 gradient shards; gradients accumulate until zero_grad()."""
         (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
-        # Units autograd did not reach in full (unused parameters) reduce now, in unit order,
-        # so every rank runs the same reduce-scatters.
-        for unit in self.units:
-            if unit.requires_grad and unit.state is not UnitState.REDUCED:
-                self._reduce(unit)
+        # Units autograd did not reach in full (unused parameters) reduce now, in the shared
+        # order, so every rank runs the same reduce-scatters.
+        self._issue_reduces(until_incomplete=False)
+        self._reduces_issued = 0
         self.comm.finish_reduces()
         for unit in self.units:
             self._wait(unit)
@@ -282,6 +352,26 @@ class ZeroEngine:
             self._order_known = True
             order = self._backward_order
             self._backward_next = {u: v for u, v in zip(order, order[1:])}
+            self._agree_orders()
+
+    def _agree_orders(self) -> None:
+        """The orders the collectives of later steps are issued in, as rank 0 recorded them
+        in the first step, so that they pair up on every rank even where ranks' graphs
+        differ: the reduce-scatters in the order autograd completed units (then those it
+        left incomplete, in the order used so far), so that no unit waits for another to be
+        issued; stage 2's weight all-gathers in the order the forward first used units."""
+        completed = list(dict.fromkeys(self._completed_order))
+        reduce_order = completed + [u for u in self._reduce_order if u not in completed]
+        first_use = {u: k for k, u in reversed(list(enumerate(self._forward_calls)))}
+        flats = sorted(self.flat_params, key=lambda f: first_use.get(self._unit_of[f.index], len(first_use)))
+        orders = reduce_order + [f.index for f in flats]
+        self._completed_order = []
+        if self.group.size > 1:  # a one-rank Group's pg is None: the whole world
+            shared = torch.tensor(orders, dtype=torch.int64, device=self._flag_device())
+            dist.broadcast(shared, src=self.group.global_ranks[0], group=self.group.pg)
+            orders = shared.tolist()
+        self._reduce_order = orders[:len(reduce_order)]
+        self._publish_order = orders[len(reduce_order):]
 
     @torch.no_grad()
     def step(self) -> bool:
@@ -336,6 +426,8 @@ class ZeroEngine:
         return norm
 
     def zero_grad(self) -> None:
+        # Reduce-scatters still in flight (a backward that raised) land first, then go too.
+        self.comm.finish_reduces()
         for flat in self.flat_params:
             flat.master.grad = None
 
@@ -382,7 +474,7 @@ class ZeroEngine:
             quantized_allgather(gathered, flat.master.detach(), self.group, bits=None)
             full.update(flat.unflatten(gathered))
         out = {}
-        for name, value in self.module.state_dict(keep_vars=True).items():
+        for name, value in self._module_entries().items():
             out[name] = full[self._aliases[name][1]] if name in self._aliases else value.detach().clone()
         return out
 
@@ -404,6 +496,9 @@ class ZeroEngine:
 def _flatten(value):
     if isinstance(value, torch.Tensor):
         yield value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _flatten(getattr(value, field.name))
     elif isinstance(value, (list, tuple)):
         for v in value:
             yield from _flatten(v)

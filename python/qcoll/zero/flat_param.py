@@ -4,7 +4,11 @@ flattened into one buffer and partitioned over the group.
 Each rank keeps the fp32 master shard (what the optimizer updates), its compute-dtype copy
 (what the all-gathers send) and the fp32 gradient shard. The full compute-dtype buffer
 exists only while the unit is gathered: its storage is resized to 0 when freed and back when
-gathered, so the parameter views (and tensors autograd saved) stay valid across gathers.
+gathered, so views of it (tensors autograd saved) stay valid across gathers. While freed,
+each parameter holds an empty placeholder (as in DeepSpeed's ZeRO-3), so code that reads it
+outside forward sees an empty tensor, not memory that is no longer there; gathering points
+it back at its view (a parameter autograd saved is the same object, so backward finds its
+weights once the unit is gathered again).
 Which state the buffer is in is the unit's business (unit.py); this class only holds memory.
 Stage 2 (`resident`): the full buffer is never freed; the engine keeps it current on every
 rank after each step.
@@ -51,8 +55,10 @@ class FlatParam:
         self.compute_shard = self.master.detach().to(compute_dtype)
         self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
         self.secondary: Optional[torch.Tensor] = None  # hpZ's copy of part of `full`
-        for p, off, n, shape in zip(params, self.offsets, self.numels, self.shapes):
-            p.data = self.full[off:off + n].view(shape)
+        self._views = [self.full[off:off + n].view(shape)
+                       for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
+        self._placeholder = torch.empty(0, dtype=compute_dtype, device=device)
+        self._point_params_at(self._views)
         self.free()
 
     def shard_of(self, flat: torch.Tensor) -> torch.Tensor:
@@ -66,11 +72,17 @@ class FlatParam:
         nbytes = self.padded_numel * self.full.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
+            self._point_params_at(self._views)
 
     def free(self) -> None:
         if self.resident:
             return
         self.full.untyped_storage().resize_(0)
+        self._point_params_at([self._placeholder] * len(self.params))
+
+    def _point_params_at(self, tensors: List[torch.Tensor]) -> None:
+        for p, t in zip(self.params, tensors):
+            p.data = t
 
     # ---- gradients ---------------------------------------------------------------------
     def flat_grad(self) -> torch.Tensor:

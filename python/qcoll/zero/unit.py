@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 from typing import List, Optional
 
+import torch
 import torch.nn as nn
 
 from .flat_param import FlatParam
@@ -56,6 +57,7 @@ class Unit:
         self.state = UnitState.SHARDED
         self.users = 0  # calls of its module whose forward is running
         self.forward_calls = 0  # calls of its module in this forward
+        self.ran_since_backward = False  # its module ran with gradients on since the last backward
         self.grads_ready = 0  # trainable parameters whose gradient autograd has accumulated
         self.expected_grads = sum(len(f.params) for f in flats if f.requires_grad)
         self._works: list = []
@@ -111,6 +113,8 @@ class Unit:
             self._move(UnitState.IN_USE)
         self.users += 1
         self.forward_calls += 1
+        if torch.is_grad_enabled():
+            self.ran_since_backward = True
 
     def exit(self) -> None:
         self.users -= 1
@@ -133,6 +137,12 @@ class Unit:
         self.grads_ready += 1
         return self.grads_ready == self.expected_grads
 
+    @property
+    def grads_complete(self) -> bool:
+        """Autograd has accumulated the gradient of every trainable parameter, or will
+        accumulate none (its module did not run: a dropped layer)."""
+        return self.grads_ready >= self.expected_grads or not self.ran_since_backward
+
     def reduced(self) -> None:
         """Its gradients are reduce-scattered: the trainable buffers and every secondary
         are no longer needed (frozen weights may still feed input gradients: they stay
@@ -143,11 +153,32 @@ class Unit:
             f.secondary = None
         self._move(UnitState.REDUCED)
 
+    @property
+    def at_rest(self) -> bool:
+        """Where a forward or backward that ran to its end leaves it."""
+        return self.state in (UnitState.SHARDED, UnitState.SECONDARY_KEPT) and self.users == 0
+
+    def abandon(self, timed) -> None:
+        """A forward or backward stopped by an exception: wait for its all-gather in flight
+        (its buffers must outlive the call), drop the gradients autograd left in the
+        parameters (the next backward would add to them) and go back to only the shards,
+        from whatever state the pass left it in."""
+        self.wait(timed)
+        for f in self.flats:
+            for p in f.params:
+                p.grad = None
+        self._clear()
+        self.state = UnitState.SHARDED
+
     def reset(self) -> None:
         """End of backward: only the shards remain."""
+        self._clear()
+        if self.state is not UnitState.SHARDED:
+            self._move(UnitState.SHARDED)
+
+    def _clear(self) -> None:
         for f in self.flats:
             f.free()
             f.secondary = None
         self.users = self.grads_ready = self.forward_calls = 0
-        if self.state is not UnitState.SHARDED:
-            self._move(UnitState.SHARDED)
+        self.ran_since_backward = False
