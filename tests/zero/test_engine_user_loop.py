@@ -184,3 +184,81 @@ def test_dataclass_outputs_get_their_backward_gather():
     results = run_ranks(2, _fails_once, None, True, timeout=120)
     assert all(raised == [] for raised, _ in results)
     _assert_matches([state for _, state in results], _reference(2, range(STEPS), dataclass_output=True))
+
+
+# ---- gradient accumulation, and backward outside the engine ------------------------------
+def _two_forwards_two_backwards(rank, world, stage):
+    from qcoll.zero import ZeroConfig, ZeroEngine
+
+    eng = ZeroEngine(_Model(), lambda ps: torch.optim.SGD(ps, lr=LR),
+                     config=ZeroConfig(stage=stage, hpz=False if stage == 3 else None,
+                                       compute_dtype=torch.float32, qwz=False, qgz=False))
+    for step in range(0, 2 * STEPS, 2):
+        eng.zero_grad()
+        losses = [eng(_batch(rank, step)), eng(_batch(rank, step + 1))]
+        for loss in losses:  # each micro-batch's loss holds half the step's weight
+            eng.backward(loss / 2)
+        eng.step()
+    return eng.full_state_dict()
+
+
+def _reference_accumulated(world):
+    model = _Model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(0, 2 * STEPS, 2):
+        model.zero_grad()
+        for rank in range(world):
+            for micro in (step, step + 1):
+                (model(_batch(rank, micro)) / (2 * world)).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_two_forwards_then_two_backwards(stage):
+    """Before (the shared order's first form), the second backward took every unit as
+    complete and reduce-scattered zeros before autograd reached it: stage 2's weights went
+    wrong and stage 3 ran backward on freed weights."""
+    _assert_matches(run_ranks(2, _two_forwards_two_backwards, stage, timeout=120), _reference_accumulated(2))
+
+
+def _plain_backward(rank, world):
+    eng = _engine(_Model())
+    try:
+        eng(_batch(rank, 0)).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_loss_backward_outside_the_engine_raises():
+    for message in run_ranks(2, _plain_backward, timeout=120):
+        assert message is not None and "engine.backward(loss)" in message, message
+
+
+@dataclasses.dataclass
+class _Partial:
+    hidden: torch.Tensor
+    cache: torch.Tensor = dataclasses.field(init=False)  # never set
+
+
+class _PartialBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _Partial(torch.tanh(self.lin(x.hidden if isinstance(x, _Partial) else x)))
+
+
+def _unset_field(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(_PartialBlock(), _PartialBlock())
+    eng = _engine(model)
+    eng.zero_grad()
+    eng.backward(eng(_batch(rank, 0)).hidden.sum())
+    return eng.step()
+
+
+def test_a_dataclass_output_with_an_unset_field():
+    assert run_ranks(2, _unset_field, timeout=120) == [True, True]

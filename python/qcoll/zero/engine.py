@@ -3,7 +3,8 @@
 
 Units are subtrees (unit_modules.py): a unit is gathered right before its module's forward (and
 again before its backward), freed after its last use, and its gradient is reduce-scattered
-into the fp32 gradient shards as soon as autograd has accumulated all of it. Each unit's
+into the fp32 gradient shards once autograd has accumulated all that this backward's graph
+reaches of it, in an order every rank shares (_issue_reduces). Each unit's
 lifecycle lives in unit.py; this file drives it from module hooks. The optimizer only ever
 sees the fp32 master shards. Checkpoints: checkpoint.py.
 
@@ -89,14 +90,18 @@ class ZeroEngine:
         # Reduce-scatters are issued in one order that every rank shares (as DDP issues its
         # buckets), whatever order autograd completes units in: ranks whose losses reach
         # different parameters (an auxiliary loss on some ranks) then still pair each unit's
-        # reduce-scatter with the same unit's. Until the first backward: descending unit
-        # index; after it, the order rank 0's first backward completed them in.
+        # reduce-scatter with the same unit's. The first backward: the reverse of the order
+        # rank 0's forward first used units in; later ones: the order rank 0's first
+        # backward completed them in (_agree_orders).
         self._reduce_order: List[int] = [u.index for u in reversed(self.units) if u.requires_grad]
         self._reduces_issued = 0  # this backward's position in _reduce_order
         self._completed_order: List[int] = []  # units in the order autograd completed them
         # Stage 2's weight all-gathers: flat indices in the order the forward first uses
         # them, agreed by every rank like _reduce_order (a rank may skip a unit).
         self._publish_order: List[int] = [f.index for f in self.flat_params]
+        self._in_forward = False  # the root module's forward is running (or raised)
+        self._in_backward = False  # backward() is running autograd
+        self._backward_failed = False  # the last backward() raised
         self._publishing: Dict[int, object] = {}  # flat index -> its weights' all-gather Work
         self._register_hooks()
         if self.resident:
@@ -217,8 +222,9 @@ class ZeroEngine:
 
     # ---- forward -------------------------------------------------------------------------
     def _forward_begin(self, module, args):
-        if not all(unit.at_rest for unit in self.units) or self._reduces_issued:
+        if self._in_forward or self._backward_failed:  # the last forward or backward raised
             self._recover_from_abandoned_pass()
+        self._in_forward = True
         self._call = 0
         for unit in self.units:
             unit.new_forward()
@@ -226,6 +232,7 @@ class ZeroEngine:
             self._forward_calls, self._forward_uses = [], {}
 
     def _forward_end(self, module, args, output):
+        self._in_forward = False
         # What forward gathered and did not free (prefetched for a call that did not come,
         # or used fewer times than recorded): free it now.
         for unit in self.units:
@@ -270,6 +277,7 @@ class ZeroEngine:
             self._wait_published(unit.flats)
             unit.abandon(lambda fn: self.comm.timed("gather", fn))
         self._reduces_issued = 0
+        self._backward_failed = False
         if not self._order_known:  # record the next step's orders from scratch
             self._backward_order, self._completed_order = [], []
 
@@ -290,7 +298,15 @@ class ZeroEngine:
         for t in tensors:
             t.register_hook(pre_backward)
 
+    def _outside_backward(self, unit: Unit) -> RuntimeError:
+        return RuntimeError(
+            f"qcoll.zero: autograd reached unit {unit.index} ({unit.name}) outside engine.backward(loss) "
+            "(loss.backward() or torch.autograd.grad on the engine's outputs): the engine gathers its "
+            "weights and reduces its gradients only inside engine.backward(loss)")
+
     def _start_backward(self, unit: Unit) -> None:
+        if not self._in_backward:
+            raise self._outside_backward(unit)
         if unit.state in (UnitState.GRADS_PENDING, UnitState.REDUCED):
             return  # another call of a reused module: still gathered
         if not self._order_known:
@@ -307,6 +323,8 @@ class ZeroEngine:
 
     def _make_grad_ready(self, unit: Unit):
         def hook(param):
+            if not self._in_backward:
+                raise self._outside_backward(unit)
             if unit.grad_arrived():
                 if not self._order_known:
                     self._completed_order.append(unit.index)
@@ -339,9 +357,22 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() (scaled for fp16), then every unit's gradient reduce-scattered
         into the fp32 gradient shards; gradients accumulate until zero_grad()."""
-        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
-        # Units autograd did not reach in full (unused parameters) reduce now, in the shared
-        # order, so every rank runs the same reduce-scatters.
+        reachable = _reachable_leaves(loss)
+        for unit in self.units:
+            unit.expect_gradients(reachable)
+        if not self._order_known:
+            self._agree_first_reduce_order()
+        self._in_backward, self._backward_failed = True, False
+        try:
+            self._issue_reduces(until_incomplete=True)  # units this graph does not reach
+            (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+        except BaseException:
+            self._backward_failed = True  # the next forward starts again from the shards
+            raise
+        finally:
+            self._in_backward = False
+        # Units autograd did not complete (a parameter it reached got no gradient) reduce now,
+        # in the shared order, so every rank runs the same reduce-scatters.
         self._issue_reduces(until_incomplete=False)
         self._reduces_issued = 0
         self.comm.finish_reduces()
@@ -354,6 +385,24 @@ class ZeroEngine:
             self._backward_next = {u: v for u, v in zip(order, order[1:])}
             self._agree_orders()
 
+    def _agree_first_reduce_order(self) -> None:
+        """The first backward's reduce order: the reverse of the order the forward first
+        used units in (rank 0's), then the units it did not run."""
+        first_use = list(dict.fromkeys(self._forward_calls))
+        trainable = [u.index for u in self.units if u.requires_grad]
+        order = [u for u in reversed(first_use) if u in trainable]
+        order += [u for u in reversed(trainable) if u not in order]
+        self.wait_weights()  # nothing of the engine's in flight on the group while it agrees
+        self._reduce_order = self._rank0s(order)
+
+    def _rank0s(self, values: List[int]) -> List[int]:
+        """Rank 0's `values` on every rank (every rank passes as many)."""
+        if self.group.size == 1:  # a one-rank Group's pg is None: the whole world
+            return values
+        shared = torch.tensor(values, dtype=torch.int64, device=self._flag_device())
+        dist.broadcast(shared, src=self.group.global_ranks[0], group=self.group.pg)
+        return shared.tolist()
+
     def _agree_orders(self) -> None:
         """The orders the collectives of later steps are issued in, as rank 0 recorded them
         in the first step, so that they pair up on every rank even where ranks' graphs
@@ -364,12 +413,8 @@ class ZeroEngine:
         reduce_order = completed + [u for u in self._reduce_order if u not in completed]
         first_use = {u: k for k, u in reversed(list(enumerate(self._forward_calls)))}
         flats = sorted(self.flat_params, key=lambda f: first_use.get(self._unit_of[f.index], len(first_use)))
-        orders = reduce_order + [f.index for f in flats]
         self._completed_order = []
-        if self.group.size > 1:  # a one-rank Group's pg is None: the whole world
-            shared = torch.tensor(orders, dtype=torch.int64, device=self._flag_device())
-            dist.broadcast(shared, src=self.group.global_ranks[0], group=self.group.pg)
-            orders = shared.tolist()
+        orders = self._rank0s(reduce_order + [f.index for f in flats])
         self._reduce_order = orders[:len(reduce_order)]
         self._publish_order = orders[len(reduce_order):]
 
@@ -493,12 +538,28 @@ class ZeroEngine:
         return self.scaler.scale
 
 
+def _reachable_leaves(loss: torch.Tensor) -> set:
+    """ids of the leaf tensors whose gradient a backward from `loss` accumulates (its
+    graph's AccumulateGrad nodes), as DDP's find_unused_parameters finds them."""
+    seen, stack, leaves = set(), [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is not None:
+            leaves.add(id(leaf))
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return leaves
+
+
 def _flatten(value):
     if isinstance(value, torch.Tensor):
         yield value
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for field in dataclasses.fields(value):
-            yield from _flatten(getattr(value, field.name))
+            yield from _flatten(getattr(value, field.name, None))  # a field(init=False) may be unset
     elif isinstance(value, (list, tuple)):
         for v in value:
             yield from _flatten(v)

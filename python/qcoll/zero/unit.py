@@ -19,7 +19,6 @@ from __future__ import annotations
 import enum
 from typing import List, Optional
 
-import torch
 import torch.nn as nn
 
 from .flat_param import FlatParam
@@ -57,9 +56,9 @@ class Unit:
         self.state = UnitState.SHARDED
         self.users = 0  # calls of its module whose forward is running
         self.forward_calls = 0  # calls of its module in this forward
-        self.ran_since_backward = False  # its module ran with gradients on since the last backward
         self.grads_ready = 0  # trainable parameters whose gradient autograd has accumulated
         self.expected_grads = sum(len(f.params) for f in flats if f.requires_grad)
+        self.reachable_grads = self.expected_grads  # of those, the ones this backward reaches
         self._works: list = []
         self._gather_phase: Optional[str] = None
 
@@ -113,8 +112,6 @@ class Unit:
             self._move(UnitState.IN_USE)
         self.users += 1
         self.forward_calls += 1
-        if torch.is_grad_enabled():
-            self.ran_since_backward = True
 
     def exit(self) -> None:
         self.users -= 1
@@ -132,16 +129,21 @@ class Unit:
     def start_backward(self) -> None:
         self._move(UnitState.GRADS_PENDING)
 
+    def expect_gradients(self, reachable: set) -> None:
+        """A backward starts whose graph reaches the parameters whose ids are in `reachable`
+        (a parameter it does not reach gets no gradient from it: an unused head, an expert
+        that got no tokens, a layer not run)."""
+        self.reachable_grads = sum(id(p) in reachable for f in self.trainable for p in f.params)
+
     def grad_arrived(self) -> bool:
         """A trainable parameter's gradient is accumulated; True when it was the last one."""
         self.grads_ready += 1
-        return self.grads_ready == self.expected_grads
+        return self.grads_ready == self.reachable_grads
 
     @property
     def grads_complete(self) -> bool:
-        """Autograd has accumulated the gradient of every trainable parameter, or will
-        accumulate none (its module did not run: a dropped layer)."""
-        return self.grads_ready >= self.expected_grads or not self.ran_since_backward
+        """Autograd has accumulated every gradient this backward brings it."""
+        return self.grads_ready >= self.reachable_grads
 
     def reduced(self) -> None:
         """Its gradients are reduce-scattered: the trainable buffers and every secondary
@@ -152,11 +154,6 @@ class Unit:
                 f.free()
             f.secondary = None
         self._move(UnitState.REDUCED)
-
-    @property
-    def at_rest(self) -> bool:
-        """Where a forward or backward that ran to its end leaves it."""
-        return self.state in (UnitState.SHARDED, UnitState.SECONDARY_KEPT) and self.users == 0
 
     def abandon(self, timed) -> None:
         """A forward or backward stopped by an exception: wait for its all-gather in flight
@@ -181,4 +178,3 @@ class Unit:
             f.free()
             f.secondary = None
         self.users = self.grads_ready = self.forward_calls = 0
-        self.ran_since_backward = False

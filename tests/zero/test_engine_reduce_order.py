@@ -102,3 +102,64 @@ def test_each_unit_is_reduced_with_its_own_gradients(stage, case):
     for got in run_ranks(world, _train, stage, case, timeout=120):
         for name, value in expected.items():
             torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- the shared order holds nothing back --------------------------------------------------
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(8, 8)
+        self.idle = nn.Linear(8, 8)  # never called
+
+    def forward(self, x):
+        return torch.tanh(self.used(x))
+
+
+class _Blocks(nn.Module):
+    """Four blocks; `reverse` calls them in the reverse of their registration order; block
+    3 holds a Linear its forward never uses (an expert that got no tokens)."""
+
+    def __init__(self, reverse: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([_Block() for _ in range(4)])
+        self.reverse = reverse
+
+    def forward(self, x):
+        for block in (reversed(self.blocks) if self.reverse else self.blocks):
+            x = block(x)
+        return x.pow(2).sum()
+
+
+def _pending_when_last_block_completes(rank, world, reverse):
+    """How many other units still hold gathered weights and gradients (not yet
+    reduce-scattered) when autograd accumulates a gradient of the block that runs first,
+    each step."""
+    from qcoll.zero import ZeroConfig, ZeroEngine
+    from qcoll.zero.unit import UnitState
+
+    model = _Blocks(reverse)
+    eng = ZeroEngine(model, lambda ps: torch.optim.SGD(ps, lr=LR),
+                     config=ZeroConfig(compute_dtype=torch.float32, qwz=False, qgz=False))
+    index = 3 if reverse else 0  # the units are the blocks, in registration order
+    assert [u.name for u in eng.units] == [f"blocks.{i}" for i in range(4)]
+    seen = []
+    model.blocks[index].used.bias.register_post_accumulate_grad_hook(lambda p: seen.append(
+        sum(u.state is UnitState.GRADS_PENDING for u in eng.units if u.index != index)))
+    for step in range(STEPS):
+        eng.zero_grad()
+        eng.backward(eng(_batch(rank, step)))
+        eng.step()
+    return seen
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_no_unit_waits_for_one_ahead_of_it(reverse):
+    """Every block has an unused Linear, and with `reverse` the forward calls the blocks in the
+    reverse of their registration (unit) order. When the block run first gets its last
+    gradient, the others have all been reduce-scattered: a unit with an unused parameter is
+    complete once autograd has what its graph reaches, and the first step's order is the
+    reverse of the forward's. Before, the first unit in the order never completed, so every
+    unit behind it kept its weights and gradients to the end of backward."""
+    for seen in run_ranks(2, _pending_when_last_block_completes, reverse, timeout=120):
+        assert seen == [0] * STEPS, seen
