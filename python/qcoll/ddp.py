@@ -33,8 +33,9 @@ class QuantizedHookState:
     code formats (or `policy`, a qcoll.AllReducePolicy, instead of bits, inter_bits,
     group_size and pipeline_stages), and one ErrorFeedback per bucket.
 
-    DDP rebuilds its buckets once, after the first iteration, so the residuals kept during
-    that iteration belong to another layout: they are dropped when it ends."""
+    DDP rebuilds its buckets once (after the first iteration; with static_graph=True after
+    the second), so residuals kept for a bucket belong to its layout (its parameters, numel,
+    dtype and device): a bucket whose layout changed starts with no residuals."""
 
     def __init__(self, group=None, bits=DDP_ALL_REDUCE.bits, inter_bits=DDP_ALL_REDUCE.inter_bits,
                  error_feedback: bool = True, *, group_size: Optional[int] = None,
@@ -50,7 +51,7 @@ class QuantizedHookState:
         self.group = resolve_group(group)
         self.process_group = self.group.pg  # the caller's (the counted default hook uses it)
         self.iteration = 0
-        self._feedback: dict = {}
+        self._feedback: dict = {}  # bucket index -> (its layout, ErrorFeedback)
 
     bits = property(lambda self: self.policy.bits)
     inter_bits = property(lambda self: self.policy.inter_bits)
@@ -60,15 +61,18 @@ class QuantizedHookState:
     def feedback_for(self, bucket) -> Optional[ErrorFeedback]:
         if not self.error_feedback:
             return None
-        return self._feedback.setdefault(bucket.index(), ErrorFeedback())
+        buffer = bucket.buffer()
+        layout = (tuple(id(p) for p in bucket.parameters()), buffer.numel(), buffer.dtype, buffer.device)
+        held = self._feedback.get(bucket.index())
+        if held is None or held[0] != layout:  # new, or DDP rebuilt its buckets
+            held = self._feedback[bucket.index()] = (layout, ErrorFeedback())
+        return held[1]
 
     @property
     def error_feedback_bytes(self) -> int:
-        return sum(ef.nbytes for ef in self._feedback.values())
+        return sum(ef.nbytes for _, ef in self._feedback.values())
 
     def end_of_iteration(self) -> None:
-        if self.iteration == 0:
-            self._feedback = {}  # the buckets are rebuilt after the first iteration
         self.iteration += 1
 
 
