@@ -223,13 +223,17 @@ def take_policy(policy, loose: _Policy, defaults: _Policy, name: str = "policy",
     """A plug-in's policy: `policy` as given, else `loose` (built from its loose keywords,
     spelled prefix + field). Both (a loose keyword off its default, `defaults`) is an error.
     policy="auto": `loose` wrapped in qcoll.auto.Auto (the cost model chooses per call)."""
+    from .auto import Auto
+
     if policy is None:
         return loose
     if isinstance(policy, str) and policy == "auto":
-        from .auto import Auto
         return Auto(loose)
     cls = type(defaults)
-    if not isinstance(policy, cls):
+    # An Auto around this kind of policy: what an earlier take_policy made of "auto" (use_qcoll
+    # takes its keywords, then hands the result to the comm objects, which take it again).
+    inner = policy.base if isinstance(policy, Auto) else policy
+    if not isinstance(inner, cls):
         raise TypeError(f"{name} must be a qcoll.{cls.__name__}, 'auto' or None, got {type(policy).__name__}")
     changed = [prefix + f.name for f in dataclasses.fields(cls) if getattr(loose, f.name) != getattr(defaults, f.name)]
     if changed:

@@ -325,3 +325,27 @@ def test_old_torch_gets_a_clear_error(monkeypatch):
     monkeypatch.setattr(qcoll.fsdp, "_API_ERROR", "no set_custom_all_gather")
     with pytest.raises(RuntimeError, match=r"PyTorch >= 2\.9"):
         qcoll.fsdp.QuantizedAllGather()
+
+
+def _auto_worker(rank, world):
+    import qcoll
+    import qcoll.fsdp
+
+    runs = {}
+    for mode in ("default", "auto"):
+        torch.manual_seed(0)
+        model = fsdp_training.shard_blocks(EncoderLM(20, 2, 36), _mesh(world), reshard_after_forward=True,
+                                           mp_policy=_policy("fp32"))
+        if mode == "auto":
+            qcoll.reset_stats()
+            qcoll.fsdp.use_qcoll(model, weight_policy="auto", grad_policy="auto", node_size=1)
+        runs[mode], _ = _train(model, 2, rank, world)
+    return runs, qcoll.stats()["auto"]
+
+
+def test_use_qcoll_takes_auto_policies():
+    """use_qcoll(weight_policy="auto") wrapped "auto" once and the comm objects refused the
+    wrapped policy (TypeError on every rank)."""
+    for runs, choices in run_ranks(2, _auto_worker, timeout=300):
+        assert runs["auto"] == pytest.approx(runs["default"], rel=2e-2)
+        assert sum(sum(c.values()) for c in choices.values()) > 0, choices  # auto chose each call
