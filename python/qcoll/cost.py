@@ -452,7 +452,16 @@ def _dtype_code(dtype: torch.dtype) -> int:
 
 
 # ---- the model of a group: given, loaded, or probed once; agreed by every rank ----------
-_MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Group -> {device type: CostModel}
+# The default ProcessGroup (a new init_process_group starts afresh) -> {(the group's ranks,
+# node size, backend): {device type: CostModel}}. Keyed by the ranks, not the Group: FSDP2
+# makes a ProcessGroup of the same ranks for every module it shards with hpZ, and a probe
+# per module made startup grow with depth (31 s for 2 blocks, 65 s for 6).
+_MODELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _cache_of(g) -> dict:
+    per_world = _MODELS.setdefault(dist.distributed_c10d._get_default_group(), {})
+    return per_world.setdefault((tuple(g.global_ranks), g.node_size, g.backend), {})
 ENV_FILE = "QCOLL_COST_MODEL"  # a file an earlier probe wrote (CostModel.save), used at first use
 
 
@@ -481,7 +490,7 @@ def cost_model(group=None, *, device="cpu", model=None, path: Optional[str] = No
                                  or not 0 < budget_s <= 600):
         raise ValueError(f"budget_s must be a number of seconds in (0, 600] or None, got {budget_s!r}")
     g = resolve_group(group)
-    cache = _MODELS.setdefault(g, {})
+    cache = _cache_of(g)
     if model is None and path is None and dev.type in cache:
         return cache[dev.type]
     # Where this rank's model comes from, or why it has none, goes to every rank before

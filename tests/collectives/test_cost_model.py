@@ -447,9 +447,12 @@ def _probe(rank, world, budget):
     m = qcoll.cost_model(g, budget_s=budget)
     elapsed = time.perf_counter() - t0
     probe_stats = qcoll.stats()  # the probe's calls are not the user's traffic
+    sibling = qcoll.new_group(node_size=NODE_SIZE)  # another ProcessGroup of the same ranks
     t1 = time.perf_counter()
-    again = qcoll.cost_model(g)  # cached: no probe, no communication
+    # Cached: no probe, no communication; by ranks, so for FSDP2's per-module hpZ groups too.
+    again = qcoll.cost_model(g) is m and qcoll.cost_model(sibling) is m
     cached_s = time.perf_counter() - t1
+    sibling.close()
     # The all-to-all hops' predicted bytes are the bytes qcoll.stats() counts for a repeated
     # call (the first of a signature also exchanges the call check).
     counted = {}
@@ -462,7 +465,7 @@ def _probe(rank, world, budget):
         s = qcoll.stats()["reduce_scatter"]
         p = m.predict("reduce_scatter", 3000, torch.float32, policy)
         counted[hierarchical] = ((s["intra_bytes"], s["inter_bytes"]), (p.intra_bytes, p.inter_bytes))
-    out = (m.to_dict(), elapsed, again is m, cached_s, counted, probe_stats)
+    out = (m.to_dict(), elapsed, again, cached_s, counted, probe_stats)
     g.close()
     return out
 
@@ -532,10 +535,11 @@ def _disagree(rank, world, models, path):
                 qcoll.cost_model(g, model=synthetic(world=2 * world))
             elif case == "missing file":  # on one node's disk only
                 qcoll.cost_model(g, path=path if rank != 3 else path + ".missing")
-            else:  # rank 0 would load it, the others probe
-                g2 = qcoll.new_group(node_size=NODE_SIZE)
+            else:  # rank 0 would load it, the others probe (a group of other nodes: g's
+                # model, cached by ranks and node size, does not serve it)
+                g2 = qcoll.new_group(node_size=1)
                 if rank == 0:
-                    os.environ["QCOLL_COST_MODEL"] = path
+                    os.environ["QCOLL_COST_MODEL"] = path + ".node1"
                 try:
                     qcoll.cost_model(g2)
                 finally:
@@ -554,6 +558,7 @@ def test_a_rank_that_disagrees_raises_on_every_rank(tmp_path):
     path = str(tmp_path / "m.json")
     base.save(path)
     other.save(path + ".other")
+    synthetic(node_size=1).save(path + ".node1")
     results = run_ranks(4, _disagree, [base, other, base, base], path, timeout=120)
     for rank, (from_env, *messages) in enumerate(results):
         assert from_env == f"file {path}"
@@ -563,4 +568,4 @@ def test_a_rank_that_disagrees_raises_on_every_rank(tmp_path):
         assert f"rank 2: file {path}.other" in messages[1]
         assert "world 8" in messages[2]
         assert "rank 3: not loaded: FileNotFoundError" in messages[3], messages[3]
-        assert f"rank 0: file {path}" in messages[4] and "rank 1: probe" in messages[4], messages[4]
+        assert f"rank 0: file {path}.node1" in messages[4] and "rank 1: probe" in messages[4], messages[4]
