@@ -187,12 +187,11 @@ def test_dataclass_outputs_get_their_backward_gather():
 
 
 # ---- gradient accumulation, and backward outside the engine ------------------------------
-def _two_forwards_two_backwards(rank, world, stage):
+def _two_forwards_two_backwards(rank, world, stage, hpz):
     from qcoll.zero import ZeroConfig, ZeroEngine
 
     eng = ZeroEngine(_Model(), lambda ps: torch.optim.SGD(ps, lr=LR),
-                     config=ZeroConfig(stage=stage, hpz=False if stage == 3 else None,
-                                       compute_dtype=torch.float32, qwz=False, qgz=False))
+                     config=ZeroConfig(stage=stage, hpz=hpz, compute_dtype=torch.float32, qwz=False, qgz=False))
     for step in range(0, 2 * STEPS, 2):
         eng.zero_grad()
         losses = [eng(_batch(rank, step)), eng(_batch(rank, step + 1))]
@@ -214,12 +213,14 @@ def _reference_accumulated(world):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_two_forwards_then_two_backwards(stage):
+@pytest.mark.parametrize("stage,hpz", [(2, None), (3, False), (3, None)])
+def test_two_forwards_then_two_backwards(stage, hpz):
     """Before (the shared order's first form), the second backward took every unit as
     complete and reduce-scattered zeros before autograd reached it: stage 2's weights went
-    wrong and stage 3 ran backward on freed weights."""
-    _assert_matches(run_ranks(2, _two_forwards_two_backwards, stage, timeout=120), _reference_accumulated(2))
+    wrong and stage 3 ran backward on freed weights. With hpZ (stage 3's default) the first
+    backward drops the secondary shards: the second gathers as forward did (it raised)."""
+    _assert_matches(run_ranks(2, _two_forwards_two_backwards, stage, hpz, timeout=120),
+                    _reference_accumulated(2))
 
 
 def _plain_backward(rank, world):
@@ -262,3 +263,83 @@ def _unset_field(rank, world):
 
 def test_a_dataclass_output_with_an_unset_field():
     assert run_ranks(2, _unset_field, timeout=120) == [True, True]
+
+
+# ---- gradients the engine must not take early or refuse ------------------------------------
+class _FrozenPath(nn.Module):
+    """A block whose frozen Linear carries the gradient on to the block before, and whose
+    trainable adapter this step does not use."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(8, 8).requires_grad_(False)
+        self.adapter = nn.Linear(8, 8)
+        self.use_adapter = False
+
+    def forward(self, x):
+        h = torch.tanh(self.frozen(x))
+        return self.adapter(h) if self.use_adapter else h
+
+
+class _Checkpointed(nn.Module):
+    """A block that recomputes its inner MLP in backward (reentrant checkpointing, which
+    runs a backward of its own that the loss's graph does not show)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+    def forward(self, x):
+        h = torch.tanh(self.attn(x))
+        return torch.utils.checkpoint.checkpoint(self.mlp, h, use_reentrant=True)
+
+
+def _chain(kind):
+    torch.manual_seed(0)
+    middle = {"frozen path": _FrozenPath, "checkpointed": _Checkpointed}.get(kind, lambda: nn.Linear(8, 8))()
+    return nn.Sequential(nn.Linear(8, 8), middle, nn.Linear(8, 8))
+
+
+def _train_chain(rank, world, kind, stage):
+    eng = _engine(_chain(kind), stage)
+    for step in range(STEPS):
+        eng.zero_grad()
+        x = _batch(rank, step).requires_grad_(kind == "input gradient")
+        loss = eng(x).pow(2).sum()
+        if kind == "input gradient":  # a gradient penalty's first half, in stage 2
+            (grad_x,) = torch.autograd.grad(loss, x, retain_graph=True)
+            assert grad_x.shape == x.shape
+        eng.backward(loss)
+        eng.step()
+    return eng.full_state_dict()
+
+
+def _reference_chain(world, kind):
+    model = _chain(kind)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    for step in range(STEPS):
+        grads = {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
+        for rank in range(world):
+            model.zero_grad()
+            model(_batch(rank, step)).pow(2).sum().backward()
+            for n, p in model.named_parameters():
+                if p.grad is not None:
+                    grads[n] += p.grad / world
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.grad = grads[n]
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind,stage", [("frozen path", 3), ("frozen path", 2), ("checkpointed", 2),
+                                        ("checkpointed", 3), ("input gradient", 2)])
+def test_gradients_through_frozen_weights_checkpoints_and_input_gradients(kind, stage):
+    """frozen path: the middle unit's trainable parameters get no gradient this step but its
+    frozen weights pass the gradient on (it was reduced, freed, before autograd reached it:
+    backward read freed memory). checkpointed: reentrant checkpointing hides the MLP's
+    parameters from the loss's graph (the unit was reduced before its MLP's gradients came:
+    stage 2 added them into the next step, silently). input gradient: stage 2 lets
+    torch.autograd.grad reach the units."""
+    _assert_matches(run_ranks(2, _train_chain, kind, stage, timeout=120), _reference_chain(2, kind))

@@ -79,11 +79,11 @@ class EngineComms:
         flat.secondary = flat.full[r * part:(r + 1) * part].clone()
 
     def gather_backward(self, flat: FlatParam):
-        if not self.config.hpz:  # the forward gather again
+        # The forward gather again: without hpZ, or where no secondary shard is kept (an
+        # earlier backward of the same forward weights used and dropped it: forward, forward,
+        # backward, backward); the weights are the ones forward used either way.
+        if not self.config.hpz or flat.secondary is None:
             return self._issued("backward_allgather", self.timed("gather", lambda: self._gather_weights(flat)))
-        if flat.secondary is None:
-            raise RuntimeError(f"qcoll.zero: hpZ backward gather of {flat.names[:3]} without a secondary "
-                               "shard (its forward ran without gradients enabled)")
         # The secondary shard holds exactly the weights forward used; no re-quantization.
         return self._issued("backward_allgather", self.timed("gather", lambda: quantized_allgather(
             flat.full, flat.secondary, self.hpz_group, bits=None, async_op=True)))

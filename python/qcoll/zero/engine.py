@@ -306,6 +306,8 @@ class ZeroEngine:
 
     def _start_backward(self, unit: Unit) -> None:
         if not self._in_backward:
+            if self.resident:  # stage 2 gathers nothing: torch.autograd.grad (input gradients) may run
+                return
             raise self._outside_backward(unit)
         if unit.state in (UnitState.GRADS_PENDING, UnitState.REDUCED):
             return  # another call of a reused module: still gathered
@@ -325,7 +327,7 @@ class ZeroEngine:
         def hook(param):
             if not self._in_backward:
                 raise self._outside_backward(unit)
-            if unit.grad_arrived():
+            if unit.grad_arrived(param):
                 if not self._order_known:
                     self._completed_order.append(unit.index)
                 self._issue_reduces(until_incomplete=True)
@@ -347,7 +349,11 @@ class ZeroEngine:
         self._wait(unit)
         for flat in unit.trainable:
             self.comm.reduce_grads(flat)
-        unit.reduced()
+        # A unit whose trainable parameters this graph does not reach may still be on the
+        # gradient's way (its frozen weights pass it on to earlier units): its buffers and
+        # state stay for its backward, and the end of backward frees them.
+        if unit.reachable_grads:
+            unit.reduced()
 
     # ---- the training-loop API -----------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -357,28 +363,31 @@ class ZeroEngine:
     def backward(self, loss: torch.Tensor) -> None:
         """loss.backward() (scaled for fp16), then every unit's gradient reduce-scattered
         into the fp32 gradient shards; gradients accumulate until zero_grad()."""
+        if self._backward_failed:  # the last backward raised, and no forward has recovered since
+            self._recover_from_abandoned_pass()
         reachable = _reachable_leaves(loss)
         for unit in self.units:
             unit.expect_gradients(reachable)
         if not self._order_known:
             self._agree_first_reduce_order()
-        self._in_backward, self._backward_failed = True, False
+        self._in_backward = True
         try:
             self._issue_reduces(until_incomplete=True)  # units this graph does not reach
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+            self._in_backward = False
+            # Units autograd did not complete (a parameter it reached got no gradient) reduce
+            # now, in the shared order, so every rank runs the same reduce-scatters.
+            self._issue_reduces(until_incomplete=False)
+            self._reduces_issued = 0
+            self.comm.finish_reduces()
+            for unit in self.units:
+                self._wait(unit)
+                unit.reset()
         except BaseException:
-            self._backward_failed = True  # the next forward starts again from the shards
+            self._backward_failed = True  # the next forward (or backward) starts from the shards
             raise
         finally:
             self._in_backward = False
-        # Units autograd did not complete (a parameter it reached got no gradient) reduce now,
-        # in the shared order, so every rank runs the same reduce-scatters.
-        self._issue_reduces(until_incomplete=False)
-        self._reduces_issued = 0
-        self.comm.finish_reduces()
-        for unit in self.units:
-            self._wait(unit)
-            unit.reset()
         if not self._order_known:
             self._order_known = True
             order = self._backward_order
@@ -538,18 +547,22 @@ class ZeroEngine:
         return self.scaler.scale
 
 
-def _reachable_leaves(loss: torch.Tensor) -> set:
+def _reachable_leaves(loss: torch.Tensor) -> Optional[set]:
     """ids of the leaf tensors whose gradient a backward from `loss` accumulates (its
-    graph's AccumulateGrad nodes), as DDP's find_unused_parameters finds them."""
+    graph's AccumulateGrad nodes), as DDP's find_unused_parameters finds them; None where
+    the graph hides some (reentrant activation checkpointing runs a backward of its own
+    inside a node): then every parameter is expected."""
     seen, stack, leaves = set(), [loss.grad_fn], set()
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        leaf = getattr(node, "variable", None)
-        if leaf is not None:
-            leaves.add(id(leaf))
+        kind = type(node).__name__
+        if kind == "AccumulateGrad":
+            leaves.add(id(node.variable))
+        elif kind == "CheckpointFunctionBackward":
+            return None
         stack.extend(nxt for nxt, _ in node.next_functions)
     return leaves
 

@@ -7,8 +7,13 @@ shard with trainable ones, or weight decay would move it). Each step a unit goes
     forward:   SHARDED -> GATHERING -> GATHERED <-> IN_USE (its module's forward runs)
                GATHERED -> SECONDARY_KEPT (hpZ) or SHARDED, after its last forward use
     backward:  SECONDARY_KEPT or SHARDED -> GATHERING -> GATHERED -> GRADS_PENDING
-               GRADS_PENDING -> REDUCED when autograd has accumulated all its gradients
-    end:       every unit -> SHARDED
+               GRADS_PENDING -> REDUCED when its gradients are reduce-scattered: once autograd
+               has every gradient this backward's graph reaches of it, in the order all ranks
+               share (engine._issue_reduces); one the graph reaches whose backward never
+               started reduces at the end of backward from where it is, and one whose
+               trainable parameters the graph does not reach keeps its state (its frozen
+               weights may still pass the gradient on)
+    end:       every unit -> SHARDED; after a forward or backward that raised, abandon()
 
 Only the methods here change `state`, and each checks that the transition is legal, so an
 engine bug is an error naming the unit and both states, not silently wrong weights.
@@ -59,6 +64,7 @@ class Unit:
         self.grads_ready = 0  # trainable parameters whose gradient autograd has accumulated
         self.expected_grads = sum(len(f.params) for f in flats if f.requires_grad)
         self.reachable_grads = self.expected_grads  # of those, the ones this backward reaches
+        self._reachable: Optional[set] = None  # their ids (None: every trainable parameter)
         self._works: list = []
         self._gather_phase: Optional[str] = None
 
@@ -129,14 +135,21 @@ class Unit:
     def start_backward(self) -> None:
         self._move(UnitState.GRADS_PENDING)
 
-    def expect_gradients(self, reachable: set) -> None:
+    def expect_gradients(self, reachable: Optional[set]) -> None:
         """A backward starts whose graph reaches the parameters whose ids are in `reachable`
         (a parameter it does not reach gets no gradient from it: an unused head, an expert
-        that got no tokens, a layer not run)."""
-        self.reachable_grads = sum(id(p) in reachable for f in self.trainable for p in f.params)
+        that got no tokens, a layer not run); None: every trainable parameter."""
+        ids = [id(p) for f in self.trainable for p in f.params]
+        self._reachable = None if reachable is None else {i for i in ids if i in reachable}
+        self.reachable_grads = len(ids) if reachable is None else len(self._reachable)
 
-    def grad_arrived(self) -> bool:
+    def grad_arrived(self, param) -> bool:
         """A trainable parameter's gradient is accumulated; True when it was the last one."""
+        if self._reachable is not None and id(param) not in self._reachable:
+            raise RuntimeError(
+                f"qcoll.zero: unit {self.index} ({self.name}) got a gradient for a parameter the "
+                "loss's graph did not show (a custom autograd.Function running a backward of its "
+                "own?); the unit may already be reduce-scattered")
         self.grads_ready += 1
         return self.grads_ready == self.reachable_grads
 
