@@ -72,7 +72,12 @@ class QuantizedHookState:
     def error_feedback_bytes(self) -> int:
         return sum(ef.nbytes for _, ef in self._feedback.values())
 
-    def end_of_iteration(self) -> None:
+    def end_of_iteration(self, last_bucket: Optional[int] = None) -> None:
+        """The iteration's last bucket was `last_bucket`: residuals of buckets past it (a
+        rebuild left fewer) are dropped."""
+        if last_bucket is not None:
+            for index in [i for i in self._feedback if i > last_bucket]:
+                del self._feedback[index]
         self.iteration += 1
 
 
@@ -84,7 +89,7 @@ def quantized_allreduce_hook(state: QuantizedHookState, bucket: dist.GradBucket
     work = quantized_all_reduce(buffer, state.group, op="avg", error_feedback=state.feedback_for(bucket),
                                 async_op=True, **state.policy.kwargs())
     if bucket.is_last():
-        state.end_of_iteration()
+        state.end_of_iteration(bucket.index())
     return work.get_future(buffer)
 
 

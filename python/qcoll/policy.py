@@ -222,7 +222,8 @@ def take_policy(policy, loose: _Policy, defaults: _Policy, name: str = "policy",
                 prefix: str = "") -> _Policy:
     """A plug-in's policy: `policy` as given, else `loose` (built from its loose keywords,
     spelled prefix + field). Both (a loose keyword off its default, `defaults`) is an error.
-    policy="auto": `loose` wrapped in qcoll.auto.Auto (the cost model chooses per call)."""
+    policy="auto": `loose` wrapped in qcoll.auto.Auto (the cost model chooses per call); an
+    Auto around this kind of policy (what an earlier take_policy made of "auto") as it is."""
     from .auto import Auto
 
     if policy is None:

@@ -195,3 +195,40 @@ def test_static_graph_rebuilds_buckets_after_the_second_iteration():
         assert run["qcoll"]["ef_bytes"] > 0
         for q, d in zip(run["qcoll"]["losses"], run["counted"]["losses"]):
             assert q == pytest.approx(d, rel=2e-2), (run["qcoll"]["losses"], run["counted"]["losses"])
+
+
+class _FakeBucket:
+    """What the hook state reads of a dist.GradBucket."""
+
+    def __init__(self, index, numel, params):
+        self._index, self._buffer, self._params = index, torch.zeros(numel), params
+
+    def index(self):
+        return self._index
+
+    def buffer(self):
+        return self._buffer
+
+    def parameters(self):
+        return self._params
+
+
+def _rebuild_drops_buckets(rank, world):
+    import qcoll
+    import qcoll.ddp
+
+    state = qcoll.ddp.QuantizedHookState(qcoll.new_group(node_size=1))
+    params = [torch.zeros(1) for _ in range(3)]
+    old = [_FakeBucket(i, 10 + i, [params[i]]) for i in range(3)]  # three buckets, then one
+    kept = [state.feedback_for(b) for b in old]
+    state.end_of_iteration(2)
+    rebuilt = _FakeBucket(0, 33, params)
+    fresh = state.feedback_for(rebuilt)
+    state.end_of_iteration(0)
+    return fresh is not kept[0], state.feedback_for(rebuilt) is fresh, sorted(state._feedback)
+
+
+def test_a_rebuild_to_fewer_buckets_drops_the_old_residuals():
+    """The buckets past the last one of an iteration are gone (their residuals stayed for the
+    whole run, in error_feedback_bytes too)."""
+    assert run_ranks(1, _rebuild_drops_buckets) == [(True, True, [0])]
