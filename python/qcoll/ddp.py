@@ -27,6 +27,12 @@ from .group import Group, resolve_group
 from .policy import DDP_ALL_REDUCE, AllReducePolicy, take_policy
 
 
+# A bucket's parameters change once when DDP rebuilds its buckets (after the first iteration,
+# with static_graph after the second); once more allows for a layout that also changes when
+# DDP first reorders it. Beyond that the state serves two models.
+_LAYOUT_CHANGES = 2
+
+
 class QuantizedHookState:
     """What quantized_allreduce_hook needs across steps: the qcoll.Group (created here,
     collectively, from `group`: a qcoll.Group, a ProcessGroup or None for the world), the
@@ -65,12 +71,18 @@ class QuantizedHookState:
         layout = (tuple(id(p) for p in bucket.parameters()), buffer.numel(), buffer.dtype, buffer.device)
         held = self._feedback.get(bucket.index())
         if held is None or held[0] != layout:  # new, or DDP rebuilt its buckets
-            held = self._feedback[bucket.index()] = (layout, ErrorFeedback())
+            changes = 0 if held is None else held[2] + 1
+            if changes > _LAYOUT_CHANGES:
+                raise ValueError(
+                    f"QuantizedHookState: bucket {bucket.index()} changed its parameters {changes} times, "
+                    f"more than DDP's bucket rebuild does: is this state registered on two DDP models? "
+                    "Give each DDP model its own QuantizedHookState")
+            held = self._feedback[bucket.index()] = (layout, ErrorFeedback(), changes)
         return held[1]
 
     @property
     def error_feedback_bytes(self) -> int:
-        return sum(ef.nbytes for _, ef in self._feedback.values())
+        return sum(ef.nbytes for _, ef, _ in self._feedback.values())
 
     def end_of_iteration(self, last_bucket: Optional[int] = None) -> None:
         """The iteration's last bucket was `last_bucket`: residuals of buckets past it (a

@@ -232,3 +232,25 @@ def test_a_rebuild_to_fewer_buckets_drops_the_old_residuals():
     """The buckets past the last one of an iteration are gone (their residuals stayed for the
     whole run, in error_feedback_bytes too)."""
     assert run_ranks(1, _rebuild_drops_buckets) == [(True, True, [0])]
+
+
+def _shared_state(rank, world):
+    import qcoll
+    import qcoll.ddp
+
+    state = qcoll.ddp.QuantizedHookState(qcoll.new_group(node_size=1))
+    generator, discriminator = [torch.zeros(1)], [torch.zeros(1)]
+    try:
+        for _ in range(3):  # two models' bucket 0, alternating
+            state.feedback_for(_FakeBucket(0, 10, generator))
+            state.feedback_for(_FakeBucket(0, 12, discriminator))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_one_state_for_two_ddp_models_raises():
+    """Each call found the other model's layout and started fresh: error feedback silently
+    off. Before the layout keys it raised an ErrorFeedback binding error."""
+    (message,) = run_ranks(1, _shared_state)
+    assert message is not None and "its own QuantizedHookState" in message, message
