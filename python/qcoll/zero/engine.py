@@ -374,7 +374,6 @@ class ZeroEngine:
         try:
             self._issue_reduces(until_incomplete=True)  # units this graph does not reach
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
-            self._in_backward = False
             # Units autograd did not complete (a parameter it reached got no gradient) reduce
             # now, in the shared order, so every rank runs the same reduce-scatters.
             self._issue_reduces(until_incomplete=False)
@@ -397,12 +396,15 @@ class ZeroEngine:
     def _agree_first_reduce_order(self) -> None:
         """The first backward's reduce order: the reverse of the order the forward first
         used units in (rank 0's), then the units it did not run."""
-        first_use = list(dict.fromkeys(self._forward_calls))
         trainable = [u.index for u in self.units if u.requires_grad]
-        order = [u for u in reversed(first_use) if u in trainable]
+        order = [u for u in reversed(self._first_use_order()) if u in trainable]
         order += [u for u in reversed(trainable) if u not in order]
         self.wait_weights()  # nothing of the engine's in flight on the group while it agrees
         self._reduce_order = self._rank0s(order)
+
+    def _first_use_order(self) -> List[int]:
+        """The units the recorded forward ran, in the order of their first call."""
+        return list(dict.fromkeys(self._forward_calls))
 
     def _rank0s(self, values: List[int]) -> List[int]:
         """Rank 0's `values` on every rank (every rank passes as many)."""
@@ -420,7 +422,7 @@ class ZeroEngine:
         issued; stage 2's weight all-gathers in the order the forward first used units."""
         completed = list(dict.fromkeys(self._completed_order))
         reduce_order = completed + [u for u in self._reduce_order if u not in completed]
-        first_use = {u: k for k, u in reversed(list(enumerate(self._forward_calls)))}
+        first_use = {u: k for k, u in enumerate(self._first_use_order())}
         flats = sorted(self.flat_params, key=lambda f: first_use.get(self._unit_of[f.index], len(first_use)))
         self._completed_order = []
         orders = self._rank0s(reduce_order + [f.index for f in flats])
