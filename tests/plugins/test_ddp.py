@@ -254,3 +254,24 @@ def test_one_state_for_two_ddp_models_raises():
     off. Before the layout keys it raised an ErrorFeedback binding error."""
     (message,) = run_ranks(1, _shared_state)
     assert message is not None and "its own QuantizedHookState" in message, message
+
+
+def _disagreeing_ranks(rank, world):
+    import qcoll.ddp
+
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+    model.register_comm_hook(qcoll.ddp.QuantizedHookState(bits=8 if rank == 0 else 4),
+                             qcoll.ddp.quantized_allreduce_hook)
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_that_disagree_raise_the_call_check_through_ddp():
+    """The call check's error reached DDP's reducer as the future's value: every rank raised
+    "Unable to cast <the message> to Tensor"."""
+    for rank, message in enumerate(run_ranks(2, _disagreeing_ranks)):
+        assert message is not None and "ranks disagree on the call" in message, message
+        assert "Unable to cast" not in message and f"member {rank} (this rank)" in message, message

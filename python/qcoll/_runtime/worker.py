@@ -70,26 +70,29 @@ class Work:
         """A torch Future that completes with `value` once the call has (CPU: set from the
         worker thread, or set with the call's error), for APIs that chain futures (DDP comm
         hooks). GPU: the current stream is ordered after the call first, then it completes."""
-        result: torch.futures.Future = torch.futures.Future()
         if self._future is None:
             self.wait()
+            result: torch.futures.Future = torch.futures.Future()
             result.set_result(value)
             return result
-
-        def done(f: Future) -> None:
-            error = f.exception()
-            if error is not None:
-                result.set_exception(error)
-            else:
-                result.set_result(value)
-
-        self._future.add_done_callback(done)
-        return result
+        # The error travels as a callback's exception, which torch records on the C++ future:
+        # Future.set_exception only wraps the Python side, and C++ readers of the value (DDP's
+        # reducer) then failed with "Unable to cast <the error> to Tensor". Python waiters get
+        # a RuntimeError carrying the call's message.
+        outcome: torch.futures.Future = torch.futures.Future()
+        self._future.add_done_callback(lambda f: outcome.set_result(f.exception()))
+        return outcome.then(lambda done: _value_or_raise(done.value(), value))
 
     @property
     def traffic(self) -> dict:
         """This call's own bytes, by qcoll.stats()'s rule (complete once the call is)."""
         return self._traffic.as_dict() if self._traffic is not None else {}
+
+
+def _value_or_raise(error: Optional[BaseException], value):
+    if error is not None:
+        raise error
+    return value
 
 
 class CallQueue:
