@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ._dtypes import DTYPE_CODES
+from ._formats import format_name
 from ._runtime.call import account
 from .all_reduce import quantized_all_reduce
 from .all_gather import quantized_allgather
@@ -34,7 +35,7 @@ from .reduce_scatter import quantized_reduce_scatter
 from .error_feedback import ErrorFeedback
 from .group import Group, resolve_group
 from .policy import (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, AllGatherPolicy, AllReducePolicy,
-                     ReduceScatterPolicy, take_policy)
+                     ReduceScatterPolicy, check_stages, take_policy)
 
 MIN_TORCH = "2.9"
 
@@ -273,6 +274,22 @@ def _check_not_native_hsdp(m) -> None:
                 "replicate_group=mesh.get_group('replicate')")
 
 
+def _check_node_layout(modules: list, node_size: Optional[int], replicate_group=None) -> None:
+    """node_size against every group FSDP2 will hand the comms (each shard group, hpZ's
+    post-forward groups, a reduce-scatter group of its own) and the replicas' group: a
+    layout that does not fit raises here, on every rank, not at the first forward."""
+    if node_size is None:
+        return
+    groups = [] if replicate_group is None else [replicate_group]
+    for m in modules:
+        for param_group in m._get_fsdp_state()._fsdp_param_groups:
+            for info in (param_group.mesh_info, param_group.post_forward_mesh_info):
+                groups += [getattr(info, "shard_process_group", None),
+                           getattr(info, "reduce_scatter_process_group", None)]
+    for pg in {id(g): g for g in groups if g is not None}.values():
+        node_size_within(dist.get_process_group_ranks(pg), node_size)
+
+
 def _fsdp_modules(module: torch.nn.Module) -> list:
     _require_api()
     if not isinstance(module, torch.nn.Module):
@@ -304,6 +321,11 @@ def use_qcoll(module: torch.nn.Module, *, weight_bits=ALL_GATHER.bits,
     ReduceScatterPolicy / AllReducePolicy instead of the weight_* / grad_* / replicate_*
     bits (and grad_pipeline_stages, which the replicas' all-reduce also takes). Returns
     `module`."""
+    for name, bits in (("weight_bits", weight_bits), ("grad_intra_bits", grad_intra_bits),
+                       ("grad_inter_bits", grad_inter_bits), ("replicate_bits", replicate_bits),
+                       ("replicate_inter_bits", replicate_inter_bits)):
+        format_name(bits, name, allow_none=True)  # named as the caller wrote it, not as the policy's field
+    check_stages(grad_pipeline_stages, "grad_pipeline_stages")
     all_gather = QuantizedAllGather(node_size=node_size, policy=take_policy(
         weight_policy, AllGatherPolicy(weight_bits), ALL_GATHER, "weight_policy", "weight_"))
     loose = ReduceScatterPolicy.gradients(grad_intra_bits, grad_inter_bits, pipeline_stages=grad_pipeline_stages)
@@ -320,6 +342,7 @@ def use_qcoll(module: torch.nn.Module, *, weight_bits=ALL_GATHER.bits,
     if hook_args is not None:
         for m in modules:
             _check_not_native_hsdp(m)
+    _check_node_layout(modules, node_size, replicate_group)
     for m in modules:
         m.set_custom_all_gather(all_gather)
         m.set_custom_reduce_scatter(reduce_scatter)

@@ -313,10 +313,35 @@ def test_bad_arguments_name_the_argument():
         use_qcoll(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="module"):
         use_qcoll("model")
+    # use_qcoll's keywords are named as written (it said "bits must be" for weight_bits=7).
+    for keyword, value in (("weight_bits", 7), ("grad_intra_bits", "x"), ("grad_inter_bits", 3),
+                           ("replicate_bits", 16), ("replicate_inter_bits", 2), ("grad_pipeline_stages", 0)):
+        with pytest.raises(ValueError, match=f"^{keyword} must be"):
+            use_qcoll(nn.Linear(2, 2), **{keyword: value})
     with pytest.raises(ValueError, match="op must be"):
         _reduce_op(torch.distributed.ReduceOp.MAX, 4)
     assert _reduce_op(torch.distributed.ReduceOp.PREMUL_SUM(0.25), 4) == ("avg", None)
     assert _reduce_op(torch.distributed.ReduceOp.PREMUL_SUM(0.5), 4) == ("sum", 0.5)
+
+
+def _node_layout_worker(rank, world, reshard):
+    import qcoll.fsdp
+
+    model = fsdp_training.shard_blocks(EncoderLM(20, 2, 36), _mesh(world), reshard_after_forward=reshard)
+    try:
+        qcoll.fsdp.use_qcoll(model, node_size=2)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("world, reshard", [(3, True), (6, 3)], ids=["shard-group", "hpz-group"])
+def test_a_node_size_that_does_not_fit_the_groups_raises_at_use_qcoll(world, reshard):
+    """node_size=2 where a group holds nodes of 2 and 1 ranks (3 ranks; or hpZ's post-forward
+    groups of 3 out of 6, whose shard group fits) raised only at the first forward."""
+    for rank, message in enumerate(run_ranks(world, _node_layout_worker, reshard, timeout=120)):
+        members = list(range(rank // 3 * 3, rank // 3 * 3 + 3))
+        assert message is not None and f"node_size=2: the group of global ranks {members}" in message, message
 
 
 def test_old_torch_gets_a_clear_error(monkeypatch):
