@@ -33,7 +33,7 @@ from .all_reduce import quantized_all_reduce
 from .all_gather import quantized_allgather
 from .reduce_scatter import quantized_reduce_scatter
 from .error_feedback import ErrorFeedback
-from .group import Group, resolve_group
+from .group import Group, pg_timeout, resolve_group
 from .policy import (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, AllGatherPolicy, AllReducePolicy,
                      ReduceScatterPolicy, check_stages, take_policy)
 
@@ -90,16 +90,35 @@ def node_size_within(ranks: list, node_size: int) -> int:
 def qcoll_group(pg, node_size: Optional[int] = None) -> Group:
     """The qcoll.Group for a ProcessGroup FSDP2 passes, created once (collectively, on the
     first call every member makes). node_size: ranks per node of the whole world (None:
-    LOCAL_WORLD_SIZE for the world, ranks per host for sub-groups; see qcoll.new_group)."""
-    if node_size is None:
-        return resolve_group(pg)
-    key = (pg, node_size)
-    if key not in _group_node_sizes:  # per group, not per call
-        _group_node_sizes[key] = node_size_within(dist.get_process_group_ranks(pg), node_size)
-    return resolve_group(pg, node_size=_group_node_sizes[key])
+    LOCAL_WORLD_SIZE for the world, ranks per host for sub-groups; see qcoll.new_group).
+
+    ProcessGroups of the same ranks and timeout share one Group: FSDP2 makes a ProcessGroup
+    for every module sharded with reshard_after_forward=<int>, and a Group apiece cost a
+    worker thread, its own ProcessGroups and, on GPUs, NCCL communicators per module. FSDP2
+    issues their calls in one order on every rank, which a shared Group needs."""
+    known = _fsdp_groups.get((pg, node_size))
+    if known is None or (known[0] is not pg and not _alive(known[0])):
+        ranks = dist.get_process_group_ranks(pg)
+        within = None if node_size is None else node_size_within(ranks, node_size)
+        same = (tuple(ranks), within, pg_timeout(pg))
+        first = _first_pgs.get(same)
+        if first is None or not _alive(first):  # destroyed (collectively): this one is the first now
+            first = _first_pgs[same] = pg
+        known = _fsdp_groups[(pg, node_size)] = (first, within)
+    return resolve_group(known[0], node_size=known[1])
 
 
-_group_node_sizes: dict = {}
+_fsdp_groups: dict = {}  # (ProcessGroup, node_size) -> (the first of its ranks, its node size)
+_first_pgs: dict = {}  # (global ranks, node size, timeout) -> the first such ProcessGroup seen
+
+
+def _alive(pg) -> bool:
+    """Whether a ProcessGroup is still registered (dist.destroy_process_group forgets it)."""
+    try:
+        dist.get_process_group_ranks(pg)
+        return True
+    except (KeyError, ValueError, RuntimeError):
+        return False
 
 
 # ---- async handles FSDP2 waits on ----------------------------------------------------------
