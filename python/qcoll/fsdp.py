@@ -21,6 +21,7 @@ their bytes in ``qcoll.stats()`` under qcoll's rule, to compare against.
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -87,29 +88,46 @@ def node_size_within(ranks: list, node_size: int) -> int:
     return lengths.pop()
 
 
-def qcoll_group(pg, node_size: Optional[int] = None) -> Group:
+def qcoll_group(pg, node_size: Optional[int] = None, *, share_same_ranks: bool = False) -> Group:
     """The qcoll.Group for a ProcessGroup FSDP2 passes, created once (collectively, on the
     first call every member makes). node_size: ranks per node of the whole world (None:
     LOCAL_WORLD_SIZE for the world, ranks per host for sub-groups; see qcoll.new_group).
 
-    ProcessGroups of the same ranks and timeout share one Group: FSDP2 makes a ProcessGroup
-    for every module sharded with reshard_after_forward=<int>, and a Group apiece cost a
-    worker thread, its own ProcessGroups and, on GPUs, NCCL communicators per module. FSDP2
-    issues their calls in one order on every rank, which a shared Group needs."""
-    known = _fsdp_groups.get((pg, node_size))
-    if known is None or (known[0] is not pg and not _alive(known[0])):
-        ranks = dist.get_process_group_ranks(pg)
-        within = None if node_size is None else node_size_within(ranks, node_size)
-        same = (tuple(ranks), within, pg_timeout(pg))
-        first = _first_pgs.get(same)
-        if first is None or not _alive(first):  # destroyed (collectively): this one is the first now
-            first = _first_pgs[same] = pg
-        known = _fsdp_groups[(pg, node_size)] = (first, within)
-    return resolve_group(known[0], node_size=known[1])
+    share_same_ranks (the all-gather's groups): ProcessGroups of the same ranks and timeout
+    share one Group. FSDP2 makes a ProcessGroup for every module sharded with
+    reshard_after_forward=<int>, and a Group apiece cost a worker thread, its own
+    ProcessGroups and, on GPUs, NCCL communicators per module; FSDP2 issues their calls in
+    one order on every rank, which a shared Group needs. The reduce-scatter's group stays
+    its own: set_separate_reduce_scatter_group makes one of the shard group's ranks so that
+    reduce-scatters overlap the all-gathers, which one Group (one worker, one stream) would
+    run one after the other."""
+    if not share_same_ranks:
+        return _resolve(pg, node_size, pg)
+    with _lock:
+        first = _first_pgs_of.get(pg)
+        if first is None or (first is not pg and not _alive(first)):
+            same = (tuple(dist.get_process_group_ranks(pg)), pg_timeout(pg))
+            first = _first_pgs.get(same)
+            if first is None or not _alive(first):  # destroyed (collectively): this one is the first now
+                first = _first_pgs[same] = pg
+            _first_pgs_of[pg] = first
+    return _resolve(pg, node_size, first)
 
 
-_fsdp_groups: dict = {}  # (ProcessGroup, node_size) -> (the first of its ranks, its node size)
-_first_pgs: dict = {}  # (global ranks, node size, timeout) -> the first such ProcessGroup seen
+def _resolve(pg, node_size: Optional[int], wrapped) -> Group:
+    """resolve_group(wrapped) with `pg`'s ranks per node (`wrapped` has the same ranks)."""
+    if node_size is None:
+        return resolve_group(wrapped)
+    key = (pg, node_size)
+    if key not in _group_node_sizes:  # per group, not per call
+        _group_node_sizes[key] = node_size_within(dist.get_process_group_ranks(pg), node_size)
+    return resolve_group(wrapped, node_size=_group_node_sizes[key])
+
+
+_lock = threading.Lock()
+_group_node_sizes: dict = {}  # (ProcessGroup, node_size) -> its ranks per node
+_first_pgs_of: dict = {}  # ProcessGroup -> the first one of its ranks and timeout
+_first_pgs: dict = {}  # (global ranks, timeout) -> the first such ProcessGroup seen
 
 
 def _alive(pg) -> bool:
@@ -175,7 +193,8 @@ class QuantizedAllGather(_Allocating, AllGather):
         kwargs = self.policy.kwargs()
         if input_tensor.dtype not in DTYPE_CODES:
             kwargs["bits"] = None  # bytes of mixed-dtype groups travel exactly
-        work = quantized_allgather(output_tensor, input_tensor, qcoll_group(group, self.node_size),
+        work = quantized_allgather(output_tensor, input_tensor,
+                                   qcoll_group(group, self.node_size, share_same_ranks=True),
                                    async_op=async_op, **kwargs)
         return _as_dist_work(work)
 
@@ -294,19 +313,24 @@ def _check_not_native_hsdp(m) -> None:
 
 
 def _check_node_layout(modules: list, node_size: Optional[int], replicate_group=None) -> None:
-    """node_size against every group FSDP2 will hand the comms (each shard group, hpZ's
-    post-forward groups, a reduce-scatter group of its own) and the replicas' group: a
-    layout that does not fit raises here, on every rank, not at the first forward."""
+    """node_size against every group FSDP2 will hand the comms: each shard group and hpZ's
+    post-forward groups, of every rank (read from the meshes, which hold all of them, so
+    every rank raises alike), and this rank's replicas' ProcessGroup; here, not at the
+    first forward. A qcoll.Group as replicate_group has its own node size."""
     if node_size is None:
         return
-    groups = [] if replicate_group is None else [replicate_group]
+    layouts = set()
     for m in modules:
         for param_group in m._get_fsdp_state()._fsdp_param_groups:
             for info in (param_group.mesh_info, param_group.post_forward_mesh_info):
-                groups += [getattr(info, "shard_process_group", None),
-                           getattr(info, "reduce_scatter_process_group", None)]
-    for pg in {id(g): g for g in groups if g is not None}.values():
-        node_size_within(dist.get_process_group_ranks(pg), node_size)
+                dim = getattr(info, "shard_mesh_dim", None)
+                if dim is not None:  # one row per group along the shard dimension
+                    ranks = info.mesh.mesh.movedim(dim, -1)
+                    layouts.update(tuple(row) for row in ranks.reshape(-1, ranks.shape[-1]).tolist())
+    if isinstance(replicate_group, dist.ProcessGroup):
+        layouts.add(tuple(dist.get_process_group_ranks(replicate_group)))
+    for ranks in sorted(layouts):
+        node_size_within(list(ranks), node_size)
 
 
 def _fsdp_modules(module: torch.nn.Module) -> list:

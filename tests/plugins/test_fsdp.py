@@ -339,9 +339,35 @@ def _node_layout_worker(rank, world, reshard):
 def test_a_node_size_that_does_not_fit_the_groups_raises_at_use_qcoll(world, reshard):
     """node_size=2 where a group holds nodes of 2 and 1 ranks (3 ranks; or hpZ's post-forward
     groups of 3 out of 6, whose shard group fits) raised only at the first forward."""
-    for rank, message in enumerate(run_ranks(world, _node_layout_worker, reshard, timeout=120)):
-        members = list(range(rank // 3 * 3, rank // 3 * 3 + 3))
-        assert message is not None and f"node_size=2: the group of global ranks {members}" in message, message
+    for message in run_ranks(world, _node_layout_worker, reshard, timeout=120):
+        # Every rank checks every rank's groups (from the meshes): ranks 3-5 name 0-2's too.
+        assert message is not None and "node_size=2: the group of global ranks [0, 1, 2]" in message, message
+
+
+def _separate_reduce_scatter_worker(rank, world):
+    import qcoll
+    import qcoll.fsdp
+
+    torch.manual_seed(0)
+    model = fsdp_training.shard_blocks(EncoderLM(20, 2, 36), _mesh(world), reshard_after_forward=True)
+    for m in model.modules():
+        if isinstance(m, qcoll.fsdp.FSDPModule):
+            m.set_separate_reduce_scatter_group(True)  # reduce-scatters overlap the all-gathers
+    # A qcoll.Group as the replicas' group keeps its own node size (the check raised KeyError).
+    qcoll.fsdp._check_node_layout([], 2, replicate_group=qcoll.new_group(node_size=1))
+    qcoll.fsdp.use_qcoll(model, node_size=2)
+    losses, _ = _train(model, 2, rank, world)
+    from qcoll.group import _live_groups
+
+    return losses, sum(1 for g in _live_groups if not g._closed)
+
+
+def test_a_separate_reduce_scatter_group_keeps_its_own_worker():
+    """Merging ProcessGroups of the same ranks put the reduce-scatters back on the
+    all-gathers' Group (one worker, one stream), undoing set_separate_reduce_scatter_group."""
+    for losses, groups in run_ranks(4, _separate_reduce_scatter_worker, timeout=240):
+        assert all(math.isfinite(x) for x in losses)
+        assert groups == 2, groups  # the all-gathers', the reduce-scatters' (new_group's is freed)
 
 
 def test_old_torch_gets_a_clear_error(monkeypatch):

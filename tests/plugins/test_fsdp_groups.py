@@ -1,7 +1,9 @@
 """qcoll.fsdp.qcoll_group: the ProcessGroups FSDP2 hands the comms map to qcoll Groups, one
 per set of ranks (FSDP2 makes a ProcessGroup per module sharded with hpZ), but not across
-timeouts, node sizes, or a ProcessGroup destroyed since; qcoll's own resolve_group keeps
-every ProcessGroup apart (a caller may drive two of the same ranks from two threads)."""
+timeouts, node sizes, or a ProcessGroup destroyed since. Only the all-gather's groups are
+shared: a reduce-scatter group of the shard group's ranks (set_separate_reduce_scatter_group)
+exists to overlap the all-gathers, and qcoll's own resolve_group keeps every ProcessGroup
+apart (a caller may drive two of the same ranks from two threads)."""
 
 from __future__ import annotations
 
@@ -48,9 +50,12 @@ def _sum(group, rank) -> float:
 
 
 def _mapping_worker(rank, world):
-    from qcoll.fsdp import qcoll_group
+    from functools import partial
+
+    from qcoll.fsdp import qcoll_group as own_group
     from qcoll.group import resolve_group
 
+    qcoll_group = partial(own_group, share_same_ranks=True)  # the all-gather's
     a, b = dist.new_group([0, 1]), dist.new_group([0, 1])
     slow = dist.new_group([0, 1], timeout=timedelta(seconds=77))
     whole = qcoll_group(dist.group.WORLD)  # collective over all three ranks
@@ -61,7 +66,8 @@ def _mapping_worker(rank, world):
              "other timeout apart": qcoll_group(slow) is not ga,
              "other node_size apart": qcoll_group(b, node_size=1) is not ga,
              "world apart": whole is not ga and whole.size == 3,
-             "resolve_group apart": resolve_group(a) is not resolve_group(b)}
+             "resolve_group apart": resolve_group(a) is not resolve_group(b),
+             "reduce-scatter's apart": own_group(b) is not ga}  # set_separate_reduce_scatter_group
     dist.destroy_process_group(a)  # the shared Group's exchanges ran over a: b gets its own
     gb2 = qcoll_group(b)
     facts.update({"remade after destroy": gb2 is not ga and gb2.pg is b, "sum after": _sum(gb2, rank),
@@ -73,4 +79,5 @@ def test_same_rank_process_groups_map_to_one_group():
     for rank, facts in enumerate(run_ranks(3, _mapping_worker, timeout=120)[:2]):
         assert facts == {"same ranks share": True, "sum over b": 3.0, "other timeout apart": True,
                          "other node_size apart": True, "world apart": True, "resolve_group apart": True,
+                         "reduce-scatter's apart": True,
                          "remade after destroy": True, "sum after": 3.0, "kept": True}, (rank, facts)
