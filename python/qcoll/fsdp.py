@@ -320,13 +320,16 @@ def _check_node_layout(modules: list, node_size: Optional[int], replicate_group=
     if node_size is None:
         return
     layouts = set()
-    for m in modules:
-        for param_group in m._get_fsdp_state()._fsdp_param_groups:
-            for info in (param_group.mesh_info, param_group.post_forward_mesh_info):
-                dim = getattr(info, "shard_mesh_dim", None)
-                if dim is not None:  # one row per group along the shard dimension
-                    ranks = info.mesh.mesh.movedim(dim, -1)
-                    layouts.update(tuple(row) for row in ranks.reshape(-1, ranks.shape[-1]).tolist())
+    try:  # FSDP2's private state: on a torch that moved it, qcoll_group checks at the first call
+        for m in modules:
+            for param_group in m._get_fsdp_state()._fsdp_param_groups:
+                for info in (param_group.mesh_info, param_group.post_forward_mesh_info):
+                    dim = getattr(info, "shard_mesh_dim", None)
+                    if dim is not None:  # one row per group along the shard dimension
+                        ranks = info.mesh.mesh.movedim(dim, -1)
+                        layouts.update(tuple(row) for row in ranks.reshape(-1, ranks.shape[-1]).tolist())
+    except AttributeError:
+        pass
     if isinstance(replicate_group, dist.ProcessGroup):
         layouts.add(tuple(dist.get_process_group_ranks(replicate_group)))
     for ranks in sorted(layouts):

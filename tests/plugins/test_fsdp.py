@@ -370,6 +370,18 @@ def test_a_separate_reduce_scatter_group_keeps_its_own_worker():
         assert groups == 2, groups  # the all-gathers', the reduce-scatters' (new_group's is freed)
 
 
+def test_the_early_node_size_check_skips_fsdp_state_it_cannot_read():
+    """The check reads FSDP2's private state; a torch that moved it must not make use_qcoll
+    raise AttributeError (the first call checks the layout then)."""
+    import qcoll.fsdp
+
+    class Moved:  # an FSDPModule whose state lacks _fsdp_param_groups
+        def _get_fsdp_state(self):
+            return object()
+
+    qcoll.fsdp._check_node_layout([Moved()], 2)
+
+
 def test_old_torch_gets_a_clear_error(monkeypatch):
     import qcoll.fsdp
 
