@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -32,12 +33,13 @@ def _groups_worker(rank, world):
     return len(post_forward), sorted(live), losses
 
 
-def test_hpz_modules_share_one_qcoll_group():
+@pytest.mark.parametrize("world", [4, 6], ids=["2x2", "3x2"])
+def test_hpz_modules_share_one_qcoll_group(world):
     """Each post-forward ProcessGroup got a qcoll Group (a worker thread, its own ProcessGroups,
     on GPUs NCCL communicators): 5 modules, 6 Groups."""
-    for post_forward, live, losses in run_ranks(4, _groups_worker, timeout=240):
+    for post_forward, live, losses in run_ranks(world, _groups_worker, timeout=240):
         assert post_forward == 5  # 4 blocks and the root, each with its own ProcessGroup
-        assert live == [2, 4], live  # one Group for the 2-rank node groups, one for the world
+        assert live == [2, world], live  # one Group for the 2-rank node groups, one for the world
         assert all(math.isfinite(x) for x in losses)
 
 
