@@ -26,13 +26,14 @@ from .error_feedback import (
     keep_shard_residual,
 )
 from .group import resolve_group
-from .policy import ALL_REDUCE, AllReducePolicy, cached, unquantized_host_all_reduce
+from .policy import ALL_REDUCE, AllReducePolicy, cached, host_all_reduce_tail_apart, unquantized_host_all_reduce
 
 _WHAT = "quantized_all_reduce"
 # A bits=None bf16/fp16 all-reduce through the transport's all-reduce of fp32 copies goes
 # this many elements at a time (a 64 MB fp32 workspace at most).
 _UPCAST_CHUNK = 1 << 24
 _F32 = _C.DTYPES["float32"]
+_AVG = _C.OPS["avg"]
 
 
 def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", bits=ALL_REDUCE.bits,
@@ -44,8 +45,9 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     "sum") over the ranks' tensors, computed in fp32, in the tensor's dtype.
 
     1. reduce-scatter (qcoll.quantized_reduce_scatter's algorithm) of the tensor, padded to
-       a multiple of the group size (bits=None on CPU: the last numel % size elements apart,
-       by the transport's fp32 all-reduce), into this rank's shard: across nodes the 2-hop path
+       a multiple of the group size (host tensors from 4 MB: the last numel % size
+       elements apart, all-gathered as fp32 and summed exactly in rank order on every rank),
+       into this rank's shard: across nodes the 2-hop path
        (bits inside the node, `inter_bits or bits` across; hierarchical=False: one hop);
     2. all-gather of the shards at `inter_bits or bits` when the group spans nodes (bits on
        one node): every rank, the shard's owner too, decodes the same bytes, so the result
@@ -84,17 +86,17 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
 
     raw_exchange = policy.raw_exchange(tensor.element_size())
     numel = tensor.numel()
-    tail = 0  # last elements reduced by the transport's all-reduce instead of the exchange
-    if (rs.unquantized and not on_gpu(tensor.device)
-            and call.has_transport_all_reduce(g, tensor.device)):  # error feedback has nothing to keep
+    host = not on_gpu(tensor.device)
+    if rs.unquantized and host and call.has_transport_all_reduce(g, tensor.device):
+        # (error feedback has nothing to keep)
         if unquantized_host_all_reduce(tensor.element_size(), numel) == "transport":
             return _transport_all_reduce(g, tensor, code, op_code, async_op)
         hierarchical = False  # the raw inputs straight to their owner
-        # A size that does not split into whole shards: its prefix that does is reduced in
-        # place and the last numel % size elements apart (fp32, rounded once too), rather
-        # than the tensor copied into a padded buffer and back, two passes over it that cost
-        # 548 against 341 ms for 64 MB of bf16 on 6 ranks (2 cores; torch's: 320).
-        tail = numel % size
+    # A size that does not split into whole shards: the prefix that does, reduced in place,
+    # and the last numel % size elements apart (policy.host_all_reduce_tail_apart), or the
+    # tensor copied into a padded buffer and back.
+    apart = host and host_all_reduce_tail_apart(numel * tensor.element_size())
+    tail = numel % size if apart else 0
     n = -(-(numel - tail) // size)  # shard elements; the tensor less its tail is padded to size * n
     device = tensor.device
     reduce_scatter = ReduceScatter(g, n, code, op_code, rs.intra_code, rs.inter_code, group_size, stages,
@@ -103,6 +105,7 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     # The shards cross nodes (if the group spans several) in the format the plan crosses them with.
     gather_format = rs_plan.second_format
     all_gather = AllGather(g, n, code, gather_format, group_size, device)
+    tail_gather = AllGather(g, tail, _F32, RAW_CODE, group_size, device) if tail else None
 
     ef = residual_in = residual_shard = None
     encodes = rs_plan.encodes_input or rs_plan.reencodes_partial_sums or gather_format != RAW_CODE
@@ -115,8 +118,9 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     residual_inter = inter_residual(ef, rs_plan, device)
 
     padded = size * n != numel - tail  # then the reduce-scatter input is a padded copy
-    core_bytes = max(rs_plan.workspace_bytes, all_gather.plan.workspace_bytes)
-    workspace_bytes = core_bytes + 48 + (size * n + n) * tensor.element_size() + 4 * tail
+    core_bytes = max(rs_plan.workspace_bytes, all_gather.plan.workspace_bytes,
+                     tail_gather.plan.workspace_bytes if tail else 0)
+    workspace_bytes = core_bytes + 64 + (size * n + n) * tensor.element_size() + 4 * (size + 1) * tail
     flat = tensor.view(-1)
 
     def launch(ctx, workspace):
@@ -139,15 +143,30 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
             if padded:
                 flat.copy_(full[:numel])
             if tail:
-                values, _ = carve(workspace, offset, tail, torch.float32)
-                values.copy_(flat[numel - tail:])
-                transport_all_reduce(ctx, code, _F32, op_code, values, workspace, parts[2], -1, "none")
-                flat[numel - tail:].copy_(values)
+                _reduce_tail(ctx, tail_gather, flat[numel - tail:], size, op_code, workspace, offset, parts[2])
         finally:
             _C.add_traffic(ctx.traffic, list(parts), ctx.counter("all_reduce"))
 
     return call.run(_WHAT, g, tensor, tensor, workspace_bytes, launch, async_op, comms=reduce_scatter.comms,
                     keep=tuple(r for r in (residual_in, residual_inter, residual_shard) if r is not None))
+
+
+def _reduce_tail(ctx, gather: AllGather, tail: torch.Tensor, size: int, op: int, workspace, offset: int,
+                 traffic) -> None:
+    """`tail` (this rank's last elements) becomes their sum (or mean) over the ranks: every
+    rank's values all-gathered as fp32, then added in rank order, so every rank computes the
+    same fp32 sum and rounds it once."""
+    mine, offset = carve(workspace, offset, tail.numel(), torch.float32)
+    every, _ = carve(workspace, offset, size * tail.numel(), torch.float32)
+    mine.copy_(tail)
+    gather.run(ctx, mine, every, workspace, traffic, "none")
+    rows = every.view(size, -1)
+    total = rows[0].clone()
+    for row in rows[1:]:
+        total.add_(row)
+    if op == _AVG:
+        total.div_(size)
+    tail.copy_(total)
 
 
 def _transport_all_reduce(g, tensor: torch.Tensor, code: int, op: int, async_op: bool):

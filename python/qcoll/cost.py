@@ -50,7 +50,8 @@ import torch.distributed as dist
 from . import _C
 from ._runtime import call
 from ._formats import FORMATS, RAW_CODE, format_code, format_of
-from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy, unquantized_host_all_reduce
+from .policy import (AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy, host_all_reduce_tail_apart,
+                     unquantized_host_all_reduce)
 from ._torch_transport import measures_gather_path
 
 RAW = "raw"  # the kernel-rate key of unquantized hops (copy to send, fp32 add to reduce)
@@ -412,20 +413,24 @@ class CostModel:
     def _all_reduce(self, numel: int, dtype, p: AllReducePolicy) -> list:
         rs = p.reduce_scatter()
         raw_exchange = p.raw_exchange(dtype.itemsize)  # as all_reduce.py plans it
-        tail = []  # the last numel % world elements, reduced apart
+        uneven = []  # what a numel that is not a multiple of world adds (as all_reduce.py does it)
         transport = False  # gloo's own all-reduce (its gather half a ring)
         if p.unquantized and self.device == "cpu":
             if unquantized_host_all_reduce(dtype.itemsize, numel) == "transport":
                 dtype, raw_exchange, transport = torch.float32, False, True  # its all-reduce of fp32 values
             else:
                 rs = dataclasses.replace(rs, hierarchical=False)
-                if numel % self.world:  # by the transport's all-reduce of fp32 copies
-                    tail = self._all_reduce(numel % self.world, torch.float32, p)
-                    numel -= numel % self.world
+        if numel % self.world and not transport:
+            if self.device == "cpu" and host_all_reduce_tail_apart(numel * dtype.itemsize):
+                # the last elements by an all-gather of fp32 copies, summed where they land
+                uneven = self._all_gather(numel % self.world, torch.float32, None, p.group_size)
+                numel -= numel % self.world
+            else:  # the tensor copied into a padded buffer and back
+                uneven = [(0.0, 0.0, self._kernel(None, 2 * numel, 0), 0, 0)]
         n = -(-numel // self.world)
         parts = self._reduce_scatter(n, dtype, rs, raw_exchange)
         gather = format_of(self._rs_plan(n, dtype, rs, raw_exchange).second_format)
-        return parts + self._all_gather(n, dtype, gather, p.group_size, ring=transport) + tail
+        return parts + self._all_gather(n, dtype, gather, p.group_size, ring=transport) + uneven
 
 
 def _pipeline(hops: list) -> list:

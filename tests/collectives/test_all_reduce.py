@@ -1,6 +1,8 @@
 """qcoll.quantized_all_reduce against the independent simulation of
 test_collectives_quantized.py: the reduce-scatter half as simulated there (the tensor
-padded to a multiple of the world size), then every shard encoded once at the all-gather's
+padded to a multiple of the world size, or, host tensors from
+policy.HOST_TAIL_APART_MIN_BYTES, its whole shards only and the last numel % world
+elements summed in fp32 in rank order), then every shard encoded once at the all-gather's
 code format and decoded by every rank. Outputs must match bit for bit, be identical on
 every rank, and lie within the summed error bounds of the exact mean or sum."""
 
@@ -25,9 +27,25 @@ from tests.collectives.test_collectives_quantized import (
 
 
 def simulate_all_reduce(inputs, node_size, *, op, bits, inter_bits, group_size, stages,
-                        hierarchical, dtype):
-    """(expected result, per-element error bound vs the exact result)."""
+                        hierarchical, dtype, tail_apart=False):
+    """(expected result, per-element error bound vs the exact result). tail_apart: the last
+    numel % world elements reduced apart, exactly (fp32 sums in rank order, rounded once),
+    and the rest as a call of its own."""
     world, numel = len(inputs), inputs[0].numel()
+    tail = numel % world if tail_apart else 0
+    if tail:
+        head, head_bound = simulate_all_reduce(
+            [x[:numel - tail] for x in inputs], node_size, op=op, bits=bits, inter_bits=inter_bits,
+            group_size=group_size, stages=stages, hierarchical=hierarchical, dtype=dtype)
+        total = inputs[0][numel - tail:].float()
+        for x in inputs[1:]:
+            total = total + x[numel - tail:].float()
+        if op == "avg":
+            total = total / world
+        rel, absolute = ref.OUT_ROUNDING[dtype]
+        mag = torch.stack([x[numel - tail:].double().abs() for x in inputs]).sum(0) / (world if op == "avg" else 1)
+        return (torch.cat([head, total.to(dtype)]),
+                torch.cat([head_bound, world * 2.0**-24 * mag + rel * mag + absolute]))
     n = -(-numel // world)
     padded = [torch.cat([x, torch.zeros(world * n - numel, dtype=dtype)]) for x in inputs]
     cross = bits if inter_bits is None else inter_bits
@@ -74,6 +92,9 @@ def _all_reduce_worker(rank, world, node_size, cases):
     results = []
     for case in cases:
         dtype, numel, (bits, inter_bits) = case["dtype"], case["numel"], case["bits"]
+        # Host tensors from this many bytes reduce their last numel % world elements apart,
+        # smaller ones pad: both ways at these sizes.
+        qcoll.policy.HOST_TAIL_APART_MIN_BYTES = 0 if case["tail_apart"] else 1 << 40
         inputs = [gradient_like(numel, dtype, "ar", world, r) for r in range(world)]
         unquantized = bits is None and inter_bits is None and world > 1
         # bf16/fp16 unquantized: the fp32 all-reduce below 1 MB, the flat exchange from it
@@ -89,7 +110,8 @@ def _all_reduce_worker(rank, world, node_size, cases):
             expected, bound = simulate_all_reduce(
                 inputs, node_size, dtype=dtype, op=op, bits=bits, inter_bits=inter_bits,
                 group_size=case["group_size"] or DEFAULT_GROUP_SIZE, stages=case["stages"],
-                hierarchical=False if path == "exchange" else case["hierarchical"])
+                hierarchical=False if path == "exchange" else case["hierarchical"],
+                tail_apart=case["tail_apart"])
             if unquantized and path != "exchange":
                 expected, bound = _transport_all_reduce(inputs, rank, op)
             ref.assert_same_bits(x, expected, what)
@@ -101,7 +123,7 @@ def _all_reduce_worker(rank, world, node_size, cases):
 
 AR_CASES = dict(dtype=(F32, torch.float16, torch.bfloat16), numel=(0, 1, 13, 1001),
                 bits=((8, None), (8, 4), (4, None), (None, None)), group_size=(8, None),
-                stages=(1, 2), hierarchical=(True, False))
+                stages=(1, 2), hierarchical=(True, False), tail_apart=(False, True))
 AR_LAYOUTS = [
     pytest.param(1, 1, id="world1"),
     pytest.param(3, 3, id="1node_x3"),
@@ -183,11 +205,13 @@ def test_one_work_and_bytes_of_both_halves():
 
 
 # ---- error feedback ---------------------------------------------------------------------
-def _ef_worker(rank, world, node_size, collective, kw, steps, numel):
+def _ef_worker(rank, world, node_size, collective, kw, steps, numel, tail_apart=False):
     """With error feedback the residuals telescope: over T calls,
     sum_t out_t = sum_t exact_t - (what the last residuals still hold), up to fp32
-    rounding. This holds only if the kept residual is exactly what each encode lost."""
+    rounding. This holds only if the kept residual is exactly what each encode lost.
+    tail_apart: the all-reduce reduces its last numel % world elements apart (exactly)."""
     qcoll._runtime.steps.MIN_STAGE_BYTES = 0
+    qcoll.policy.HOST_TAIL_APART_MIN_BYTES = 0 if tail_apart else 1 << 40
     g = qcoll.new_group(node_size=node_size)
     ef = qcoll.ErrorFeedback()
     total_out = torch.zeros(numel if collective == "all_reduce" else numel // world,
@@ -217,25 +241,29 @@ def _ef_expected_total(world, numel, steps):
     return total
 
 
-@pytest.mark.parametrize("collective,world,node_size,kw", [
-    ("all_reduce", 2, 2, dict(bits=4, group_size=8, pipeline_stages=2)),
-    ("all_reduce", 4, 2, dict(bits=8, inter_bits=4, hierarchical=False)),
+@pytest.mark.parametrize("collective,world,node_size,kw,tail_apart", [
+    ("all_reduce", 2, 2, dict(bits=4, group_size=8, pipeline_stages=2), False),
+    ("all_reduce", 4, 2, dict(bits=8, inter_bits=4, hierarchical=False), False),
     ("reduce_scatter", 4, 2, dict(intra_bits=4, inter_bits=4, hierarchical=False, group_size=8,
-                                  pipeline_stages=3)),
+                                  pipeline_stages=3), False),
     # 2-hop: the inter-node re-encode's residual too
-    ("all_reduce", 4, 2, dict(bits=8, inter_bits=4, group_size=8, pipeline_stages=2)),
-    ("reduce_scatter", 6, 2, dict(intra_bits=8, inter_bits=4, group_size=8, pipeline_stages=3)),
+    ("all_reduce", 4, 2, dict(bits=8, inter_bits=4, group_size=8, pipeline_stages=2), False),
+    ("all_reduce", 4, 2, dict(bits=8, inter_bits=4, group_size=8, pipeline_stages=2), True),
+    ("reduce_scatter", 6, 2, dict(intra_bits=8, inter_bits=4, group_size=8, pipeline_stages=3), False),
 ])
-def test_error_feedback_residuals_telescope(collective, world, node_size, kw):
+def test_error_feedback_residuals_telescope(collective, world, node_size, kw, tail_apart):
     steps, numel = 6, 2 * 999  # with 4 ranks: partitions of 999 (the all-reduce pads to 500)
     if collective == "reduce_scatter":
         numel = world * 999
-    results = run_ranks(world, _ef_worker, node_size, collective, kw, steps, numel)
-    n = -(-numel // world)
+    results = run_ranks(world, _ef_worker, node_size, collective, kw, steps, numel, tail_apart)
+    # The last numel % world elements apart: exact, no residual; the rest whole shards.
+    tail = numel % world if tail_apart else 0
+    n = -(-(numel - tail) // world)
     exact = _ef_expected_total(world, numel, steps)  # rank r holds partition r of it
     # What the last residuals still hold, as it would reach the result: the mean of the
     # ranks' input residuals (padding dropped), plus each owner's shard residual.
     held = torch.stack([r[1]["input"].double()[:numel] for r in results]).mean(0)
+    held = torch.cat([held, torch.zeros(numel - held.numel(), dtype=torch.float64)])
     # 2-hop: rank (node m, local j)'s inter row k went into partition j + k * node_size,
     # summed over the nodes and divided by the world (avg).
     nodes = world // node_size
@@ -246,11 +274,11 @@ def test_error_feedback_residuals_telescope(collective, world, node_size, kw):
             for k in range(nodes):
                 p = r % node_size + k * node_size
                 inter[p * n:(p + 1) * n] += rows[k] / world
-    held += inter[:numel]
+    held[:world * n] += inter[:numel]
     inter_bytes = 4 * nodes * n if "inter" in results[0][1] else 0
     assert ("inter" in results[0][1]) == (kw.get("hierarchical", True) and nodes > 1)
     if collective == "all_reduce":
-        held += torch.cat([r[1]["shard"].double() for r in results])[:numel]
+        held[:world * n] += torch.cat([r[1]["shard"].double() for r in results])[:numel]
         got = results[0][0]
         assert all(torch.equal(got, r[0]) for r in results)
         # nbytes: input + shard (+ inter) residuals

@@ -4,6 +4,8 @@ time, identical on every rank, cached; a rank holding another model raises on ev
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import time
 
@@ -113,16 +115,42 @@ def test_transport_all_reduce_gathers_by_its_ring(monkeypatch):
 
 
 def test_bits_none_all_reduce_tail_predicted_apart():
-    """From 1 MB a bf16 size that is not a multiple of the group size: the whole shards by
-    the exchange, the last numel % size elements by the transport's fp32 all-reduce."""
+    """From 4 MB a bf16 size that is not a multiple of the group size: the whole shards by
+    the exchange, the last numel % size elements by an all-gather of their fp32 values."""
     m = synthetic()
     raw = AllReducePolicy(bits=None)
-    whole = m.predict("all_reduce", 1 << 20, torch.bfloat16, raw)
-    tail = m.predict("all_reduce", 3, torch.float32, raw)
-    both = m.predict("all_reduce", (1 << 20) + 3, torch.bfloat16, raw)
+    whole = m.predict("all_reduce", 2 << 20, torch.bfloat16, raw)
+    tail = m.predict("allgather", 3, torch.float32, AllGatherPolicy(bits=None))
+    both = m.predict("all_reduce", (2 << 20) + 3, torch.bfloat16, raw)
     assert (both.intra_bytes, both.inter_bytes) == (whole.intra_bytes + tail.intra_bytes,
                                                     whole.inter_bytes + tail.inter_bytes)
     assert both.seconds == pytest.approx(whole.seconds + tail.seconds)
+
+
+def test_quantized_all_reduce_uneven_sizes_priced_as_run():
+    """A quantized all-reduce of host tensors whose numel is not a multiple of the group
+    size: from policy.HOST_TAIL_APART_MIN_BYTES its whole shards and the last elements by an
+    all-gather of fp32 copies; below it the tensor copied into a padded buffer and back (two
+    raw copies of it) around the padded call."""
+    m = synthetic()
+    q = AllReducePolicy(bits=8)
+    copy_s = 1 / m.kernels["raw"].encode  # one element copied
+    small = 1000  # 2 KB of bf16: padded to 1000 (250 per rank), 998 + 2 would be its tail
+    padded = m.predict("all_reduce", small - 2, torch.bfloat16, q)
+    whole = m.predict("all_reduce", small, torch.bfloat16, q)
+    assert padded.seconds == pytest.approx(whole.seconds + 2 * (small - 2) * copy_s)
+    assert (padded.intra_bytes, padded.inter_bytes) == (whole.intra_bytes, whole.inter_bytes)
+    big = 2 << 20  # 4 MB of bf16
+    tail = m.predict("allgather", 3, torch.float32, AllGatherPolicy(bits=None))
+    whole = m.predict("all_reduce", big, torch.bfloat16, q)
+    both = m.predict("all_reduce", big + 3, torch.bfloat16, q)
+    assert both.seconds == pytest.approx(whole.seconds + tail.seconds)
+    assert (both.inter_bytes, both.intra_bytes) == (whole.inter_bytes + tail.inter_bytes,
+                                                    whole.intra_bytes + tail.intra_bytes)
+    # On a GPU always padded: copies cost microseconds there, an exchange more.
+    gpu = dataclasses.replace(m, device="cuda")
+    assert gpu.predict("all_reduce", big + 3, torch.bfloat16, q).seconds == pytest.approx(
+        gpu.predict("all_reduce", big + 4, torch.bfloat16, q).seconds + 2 * (big + 3) * copy_s)
 
 
 def test_calibration_line_and_fallback():

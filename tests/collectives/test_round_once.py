@@ -44,6 +44,7 @@ def _worker(rank, world, node_size, dtype, n, ar_numels):
     import sys
 
     sys.modules["qcoll.all_reduce"]._UPCAST_CHUNK = 1000  # several fp32 parts per call
+    qcoll.policy.HOST_TAIL_APART_MIN_BYTES = 0  # the last numel % world elements apart (bytes below)
     g = qcoll.new_group(node_size=node_size)
     inputs = _inputs(world, world * n, dtype)
     report = {}
@@ -64,6 +65,7 @@ def _worker(rank, world, node_size, dtype, n, ar_numels):
                 qcoll.reset_stats()
                 qcoll.quantized_all_reduce(x, g, op=op, bits=None)
                 report[f"ar-{path} {numel} {op}"] = over_half_ulp(x, xs, div)
+                report[f"ar-{path} {numel} {op} result"] = x
                 report[f"ar-{path} {numel} {op} stats"] = qcoll.stats()["all_reduce"]
     # gloo's own bf16 sum, for contrast (not asserted on: it is what qcoll does better).
     theirs = torch.empty(n, dtype=dtype)
@@ -93,14 +95,17 @@ def test_bits_none_rounds_once(world, node_size, dtype):
                 # The raw inputs of the whole shards to their owner (then the shards back):
                 # a bf16 ring's payload. Partitions of whole 16-byte slots go as they lie,
                 # others in slots with headers (no call check: the signature's second
-                # call). The last numel % world elements: the fp32 all-reduce's (one
-                # element's reduce-scatter and all-gather).
+                # call). The last numel % world elements: all-gathered as fp32 (an
+                # all-to-all: each to every peer).
                 numel = int(key.split()[1])
                 tail = numel % world
                 payload = (numel - tail) // world * dtype.itemsize
                 sent = payload if payload % 16 == 0 else 32 + -(-payload // 16) * 16
                 assert value["calls"] == 1 and value["inter_bytes"] == (world - node_size) * (
-                    sent + payload + (2 * 4 if tail else 0)), (key, value)
+                    sent + payload + 4 * tail), (key, value)
+                continue
+            if key.endswith("result"):  # bit-identical on every rank
+                assert torch.equal(value.view(torch.int16), reports[0][key].view(torch.int16)), (rank, key)
                 continue
             if key == "gloo" or key.endswith("stats"):
                 continue
