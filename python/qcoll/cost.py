@@ -69,10 +69,13 @@ BUDGET_S = 10.0
 _REPEATS = 3
 # Calibration: whole calls at total bytes from _CALIBRATION_START, 4x up to _CALIBRATION_MAX,
 # until the slower kind's call takes _CALIBRATION_TARGET_S (at least two sizes: a segment
-# needs two points). 2, 8, 32 MB: between the auto suite's 1, 4, 16, 64 MB, so that the
-# suite checks predictions away from the measured points. (From 512 KB the extra point took
-# the time the large sizes needed: auto-cpu-calibration-v6.json.)
-_CALIBRATION_START, _CALIBRATION_MAX = 2 << 20, 32 << 20
+# needs two points). 512 KB, 2, 8, 32 MB: between the auto suite's 1, 4, 16, 64 MB, so that
+# the suite checks predictions away from the measured points. From 2 MB, 18 of the suite's
+# 19 misses were at 1 MB, predicted from the 2 MB point down without the small calls' fixed
+# cost; from 512 KB 5 (134 of 144 within 20%, against 125; one run each), the probe 7.8-8.1 s
+# against 6.7-7.7 (auto-cpu.json, 2026-12-02; on 11-26 the extra point had cost the large sizes
+# their budget: auto-cpu-calibration-v6.json, before the sizes went in rounds).
+_CALIBRATION_START, _CALIBRATION_MAX = 512 << 10, 32 << 20
 _CALIBRATION_TARGET_S = 0.1
 _CALIBRATION_REPEATS = 7  # timed calls per size (their median): small calls are bimodal
 _CALIBRATION_DTYPE = torch.bfloat16

@@ -206,6 +206,11 @@ def test_calibration_runs_through_its_points():
             Calibration(0.0, 1.0, bad)
 
 
+# The scripted calibrations below start at 2 MB (the probe's own start is smaller:
+# test_calibration_default_sizes), so that their sizes read 2, 8, 32 MB.
+SCRIPTED_START = 2 << 20
+
+
 def _calibrate_scripted(monkeypatch, slower):
     """The calibration over scripted medians of 1 ns per byte, x slower(collective, bytes,
     how many times that size was measured so far, this one included), every rank's values
@@ -222,6 +227,7 @@ def _calibrate_scripted(monkeypatch, slower):
 
     monkeypatch.setattr(_cost_probe, "_calibration_medians", medians)
     monkeypatch.setattr(_cost_probe, "agreed_max", lambda group, values, device: values)
+    monkeypatch.setattr(_cost_probe.cm, "_CALIBRATION_START", SCRIPTED_START)
     return seen, _cost_probe._calibration(None, synthetic(), torch.device("cpu"), time.monotonic() + 60)
 
 
@@ -305,6 +311,7 @@ def test_calibration_stops_at_the_budget_with_one_point(monkeypatch):
 
     monkeypatch.setattr(_cost_probe, "_calibration_medians", medians)
     monkeypatch.setattr(_cost_probe, "agreed_max", lambda group, values, device: values)
+    monkeypatch.setattr(_cost_probe.cm, "_CALIBRATION_START", SCRIPTED_START)
     cal = _cost_probe._calibration(None, synthetic(), torch.device("cpu"), time.monotonic() - 1)
     first = 2 << 20
     assert seen == [("allgather", first), ("reduce_scatter", first), ("all_reduce", first)]
@@ -324,7 +331,7 @@ class _Clock:
         return self.now
 
 
-def _scripted_calibration(monkeypatch, budget, slower=lambda collective, nbytes: 1):
+def _scripted_calibration(monkeypatch, budget, slower=lambda collective, nbytes: 1, start=SCRIPTED_START):
     """The calibration over scripted calls of 10 ns per byte (2 MB: 21 ms, 8 MB: 84 ms,
     32 MB: 336 ms; x slower(collective, bytes)), each size's warm-up and timed calls
     advancing a fake clock: (calls measured as (collective, bytes, repeats), calibration,
@@ -344,6 +351,7 @@ def _scripted_calibration(monkeypatch, budget, slower=lambda collective, nbytes:
         mp.setattr(_cost_probe, "_calibration_medians", medians)
         mp.setattr(_cost_probe, "agreed_max", lambda group, values, device: values)
         mp.setattr(_cost_probe.time, "monotonic", clock.monotonic)
+        mp.setattr(_cost_probe.cm, "_CALIBRATION_START", start)
         start = clock.now
         cal = _cost_probe._calibration(None, synthetic(), torch.device("cpu"), start + budget)
     return seen, cal, clock.now - start
@@ -384,6 +392,20 @@ def test_calibration_forecast_counts_the_timed_calls(monkeypatch, budget, sizes)
     got = tuple(len([b for c, b, _ in seen if c == collective])
                 for collective in ("allgather", "reduce_scatter", "all_reduce"))
     assert got == sizes and elapsed <= budget, (got, elapsed)
+
+
+def test_calibration_default_sizes(monkeypatch):
+    # The probe's own sizes: 4x from 512 KB to the cap, in rounds; with time for them all,
+    # every collective measures 512 KB, 2, 8 and 32 MB (between the auto suite's 1, 4, 16
+    # and 64 MB, so that it checks predictions away from the points). The 512 KB point holds
+    # the small calls' fixed cost: from 2 MB, 18 of the auto suite's 19 misses were at 1 MB.
+    from qcoll import cost as cm
+
+    seen, cal, _ = _scripted_calibration(monkeypatch, 120.0, start=cm._CALIBRATION_START)
+    sizes = [512 << 10, 2 << 20, 8 << 20, 32 << 20]
+    for c in ("allgather", "reduce_scatter", "all_reduce"):
+        assert [b for cc, b, _ in seen if cc == c] == sizes, seen
+    assert all(len(v.points) == len(sizes) for v in cal.values())
 
 
 def test_calibration_measures_again_only_within_the_budget(monkeypatch):
