@@ -46,7 +46,8 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
 
     1. reduce-scatter (qcoll.quantized_reduce_scatter's algorithm) of the tensor, padded to
        a multiple of the group size (host tensors from 4 MB: the last numel % size
-       elements apart, all-gathered as fp32 and summed exactly in rank order on every rank),
+       elements apart, unquantized: all-gathered as fp32, summed in rank order on every rank,
+       rounded once),
        into this rank's shard: across nodes the 2-hop path
        (bits inside the node, `inter_bits or bits` across; hierarchical=False: one hop);
     2. all-gather of the shards at `inter_bits or bits` when the group spans nodes (bits on

@@ -72,7 +72,7 @@ _REPEATS = 3
 # needs two points). 512 KB, 2, 8, 32 MB: between the auto suite's 1, 4, 16, 64 MB, so that
 # the suite checks predictions away from the measured points. From 2 MB, 18 of the suite's
 # 19 misses were at 1 MB, predicted from the 2 MB point down without the small calls' fixed
-# cost; from 512 KB 5 (134 of 144 within 20%, against 125; one run each), the probe 7.8-8.1 s
+# cost; from 512 KB 5 and 9 (134 and 132 of 144 within 20%, against 125), the probe 7.4-8.1 s
 # against 6.7-7.7 (auto-cpu.json, 2026-12-02; on 11-26 the extra point had cost the large sizes
 # their budget: auto-cpu-calibration-v6.json, before the sizes went in rounds).
 _CALIBRATION_START, _CALIBRATION_MAX = 512 << 10, 32 << 20
@@ -428,8 +428,8 @@ class CostModel:
                 # the last elements by an all-gather of fp32 copies, summed where they land
                 uneven = self._all_gather(numel % self.world, torch.float32, None, p.group_size)
                 numel -= numel % self.world
-            else:  # the tensor copied into a padded buffer and back
-                uneven = [(0.0, 0.0, self._kernel(None, 2 * numel, 0), 0, 0)]
+            else:  # the tensor copied into a padded buffer and back (the raw rate: fp32 copies)
+                uneven = [(0.0, 0.0, self._kernel(None, 2 * numel * dtype.itemsize / 4, 0), 0, 0)]
         n = -(-numel // self.world)
         parts = self._reduce_scatter(n, dtype, rs, raw_exchange)
         gather = format_of(self._rs_plan(n, dtype, rs, raw_exchange).second_format)

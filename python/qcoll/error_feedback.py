@@ -7,10 +7,13 @@ qcoll are made by one rank from a value only it holds:
 
   "input"  the first encode of a reduce-scatter (and of an all-reduce's reduce-scatter
            half): this rank's own tensor, as the first hop's code format groups it. Its
-           residual has the input's numel (padded to a multiple of the number of ranks).
+           residual has the input's numel (padded to a multiple of the number of ranks;
+           an all-reduce of host tensors from 4 MB rounds it down instead: its last
+           numel % ranks elements go unquantized, policy.HOST_TAIL_APART_MIN_BYTES).
   "shard"  an all-reduce's all-gather: the reduced shard this rank owns, re-encoded at
            `inter_bits or bits`. Every rank decodes those bytes, the owner included, so the
-           owner's residual is exact. numel / ranks elements.
+           owner's residual is exact. numel / ranks elements (rounded up, or down as the
+           input's).
   "inter"  the 2-hop reduce-scatter's inter-node re-encode (also an all-reduce's
            reduce-scatter half), when that hop is quantized: the partial sums over its node
            that this rank re-encodes for each node, one per node (num_nodes x shard numel

@@ -29,7 +29,7 @@ from tests.collectives.test_collectives_quantized import (
 def simulate_all_reduce(inputs, node_size, *, op, bits, inter_bits, group_size, stages,
                         hierarchical, dtype, tail_apart=False):
     """(expected result, per-element error bound vs the exact result). tail_apart: the last
-    numel % world elements reduced apart, exactly (fp32 sums in rank order, rounded once),
+    numel % world elements reduced apart, unquantized (fp32 sums in rank order, rounded once),
     and the rest as a call of its own."""
     world, numel = len(inputs), inputs[0].numel()
     tail = numel % world if tail_apart else 0
@@ -209,7 +209,7 @@ def _ef_worker(rank, world, node_size, collective, kw, steps, numel, tail_apart=
     """With error feedback the residuals telescope: over T calls,
     sum_t out_t = sum_t exact_t - (what the last residuals still hold), up to fp32
     rounding. This holds only if the kept residual is exactly what each encode lost.
-    tail_apart: the all-reduce reduces its last numel % world elements apart (exactly)."""
+    tail_apart: the all-reduce reduces its last numel % world elements apart (unquantized)."""
     qcoll._runtime.steps.MIN_STAGE_BYTES = 0
     qcoll.policy.HOST_TAIL_APART_MIN_BYTES = 0 if tail_apart else 1 << 40
     g = qcoll.new_group(node_size=node_size)
@@ -252,7 +252,8 @@ def _ef_expected_total(world, numel, steps):
     ("reduce_scatter", 6, 2, dict(intra_bits=8, inter_bits=4, group_size=8, pipeline_stages=3), False),
 ])
 def test_error_feedback_residuals_telescope(collective, world, node_size, kw, tail_apart):
-    steps, numel = 6, 2 * 999  # with 4 ranks: partitions of 999 (the all-reduce pads to 500)
+    steps, numel = 6, 2 * 999  # with 4 ranks: partitions of 999 (the all-reduce pads to 500, or
+    # with the tail apart reduces 4 x 499 and the last 2 elements apart)
     if collective == "reduce_scatter":
         numel = world * 999
     results = run_ranks(world, _ef_worker, node_size, collective, kw, steps, numel, tail_apart)
@@ -291,6 +292,27 @@ def test_error_feedback_residuals_telescope(collective, world, node_size, kw, ta
     assert drift < 1e-5 * scale, f"residuals do not account for the error: {drift:.3g}"
     plain = (got - exact).abs().max().item()
     assert plain > 100 * drift  # the identity is not trivially satisfied
+
+
+def _tail_boundary_worker(rank, world):
+    """At the default threshold (policy.HOST_TAIL_APART_MIN_BYTES) a host all-reduce of a
+    size that is not a multiple of the ranks pads just below it and reduces its tail apart
+    from it: the input residual holds world * ceil(numel / world) elements, then
+    numel - numel % world."""
+    g = qcoll.new_group(node_size=2)
+    edge = qcoll.policy.HOST_TAIL_APART_MIN_BYTES // 2  # bf16 elements
+    sizes = {}
+    for numel in (edge - 1, edge + 1):
+        ef = qcoll.ErrorFeedback()
+        x = gradient_like(numel, torch.bfloat16, "edge", world, rank)
+        qcoll.quantized_all_reduce(x, g, bits=8, inter_bits=4, error_feedback=ef)
+        sizes[numel] = ef._residuals["input"].numel()
+    return sizes, edge
+
+
+def test_tail_apart_from_the_default_threshold():
+    sizes, edge = run_ranks(4, _tail_boundary_worker)[0]
+    assert sizes == {edge - 1: edge, edge + 1: edge}  # 4 | edge: padded up, or rounded down
 
 
 def _ef_state_worker(rank, world):

@@ -131,14 +131,15 @@ def test_quantized_all_reduce_uneven_sizes_priced_as_run():
     """A quantized all-reduce of host tensors whose numel is not a multiple of the group
     size: from policy.HOST_TAIL_APART_MIN_BYTES its whole shards and the last elements by an
     all-gather of fp32 copies; below it the tensor copied into a padded buffer and back (two
-    raw copies of it) around the padded call."""
+    raw copies of it; the probe's raw rate is of fp32 elements, so bf16 ones at half its
+    time) around the padded call."""
     m = synthetic()
     q = AllReducePolicy(bits=8)
     copy_s = 1 / m.kernels["raw"].encode  # one element copied
     small = 1000  # 2 KB of bf16: padded to 1000 (250 per rank), 998 + 2 would be its tail
     padded = m.predict("all_reduce", small - 2, torch.bfloat16, q)
     whole = m.predict("all_reduce", small, torch.bfloat16, q)
-    assert padded.seconds == pytest.approx(whole.seconds + 2 * (small - 2) * copy_s)
+    assert padded.seconds == pytest.approx(whole.seconds + 2 * (small - 2) * copy_s / 2)
     assert (padded.intra_bytes, padded.inter_bytes) == (whole.intra_bytes, whole.inter_bytes)
     big = 2 << 20  # 4 MB of bf16
     tail = m.predict("allgather", 3, torch.float32, AllGatherPolicy(bits=None))
@@ -150,7 +151,7 @@ def test_quantized_all_reduce_uneven_sizes_priced_as_run():
     # On a GPU always padded: copies cost microseconds there, an exchange more.
     gpu = dataclasses.replace(m, device="cuda")
     assert gpu.predict("all_reduce", big + 3, torch.bfloat16, q).seconds == pytest.approx(
-        gpu.predict("all_reduce", big + 4, torch.bfloat16, q).seconds + 2 * (big + 3) * copy_s)
+        gpu.predict("all_reduce", big + 4, torch.bfloat16, q).seconds + 2 * (big + 3) * copy_s / 2)
 
 
 def test_calibration_line_and_fallback():

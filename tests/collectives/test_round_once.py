@@ -40,11 +40,12 @@ def _inputs(world, numel, dtype):
             .to(dtype) for _ in range(world)]
 
 
-def _worker(rank, world, node_size, dtype, n, ar_numels):
+def _worker(rank, world, node_size, dtype, n, ar_numels, tail_apart):
     import sys
 
     sys.modules["qcoll.all_reduce"]._UPCAST_CHUNK = 1000  # several fp32 parts per call
-    qcoll.policy.HOST_TAIL_APART_MIN_BYTES = 0  # the last numel % world elements apart (bytes below)
+    # The last numel % world elements apart, or the tensor padded (as below 4 MB): bytes below.
+    qcoll.policy.HOST_TAIL_APART_MIN_BYTES = 0 if tail_apart else 1 << 40
     g = qcoll.new_group(node_size=node_size)
     inputs = _inputs(world, world * n, dtype)
     report = {}
@@ -75,11 +76,11 @@ def _worker(rank, world, node_size, dtype, n, ar_numels):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("world,node_size", [(4, 2), (6, 2)])
-def test_bits_none_rounds_once(world, node_size, dtype):
+@pytest.mark.parametrize("world,node_size,tail_apart", [(4, 2, True), (6, 2, True), (6, 2, False)])
+def test_bits_none_rounds_once(world, node_size, tail_apart, dtype):
     n = 4099
     # The all-reduce sums fp32 copies, 1000 elements at a time here: one part, and five.
-    reports = run_ranks(world, _worker, node_size, dtype, n, (999, 4099, world * 1024), timeout=120)
+    reports = run_ranks(world, _worker, node_size, dtype, n, (999, 4099, world * 1024), tail_apart, timeout=120)
     nodes = world // node_size
     for rank, rep in enumerate(reports):
         for key, value in rep.items():
@@ -96,10 +97,10 @@ def test_bits_none_rounds_once(world, node_size, dtype):
                 # a bf16 ring's payload. Partitions of whole 16-byte slots go as they lie,
                 # others in slots with headers (no call check: the signature's second
                 # call). The last numel % world elements: all-gathered as fp32 (an
-                # all-to-all: each to every peer).
+                # all-to-all: each to every peer), or padded into the shards.
                 numel = int(key.split()[1])
-                tail = numel % world
-                payload = (numel - tail) // world * dtype.itemsize
+                tail = numel % world if tail_apart else 0
+                payload = -(-(numel - tail) // world) * dtype.itemsize
                 sent = payload if payload % 16 == 0 else 32 + -(-payload // 16) * 16
                 assert value["calls"] == 1 and value["inter_bytes"] == (world - node_size) * (
                     sent + payload + 4 * tail), (key, value)
