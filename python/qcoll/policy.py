@@ -222,13 +222,12 @@ def unquantized_host_all_reduce(itemsize: int, numel: int) -> str:
 # (the tensor copied into a padded buffer and back: two passes over it) or, from this size,
 # reduces the prefix that is in place and its last numel % size elements apart: every rank's
 # fp32 copies all-gathered and summed in rank order on every rank (unquantized; the same
-# fp32 sum on every rank, rounded once),
-# one exchange round more. On 6 ranks (3 x 2, 2 cores) the quantized bf16 all-reduce took,
-# padded / apart, 6.8 / 9.6 ms at 256 KB, 9.0 / 10.7 at 1 MB, 24.9 / 22.8 at 4 MB, 91 / 77 at
-# 16 MB and 322 / 260 at 64 MB (a multiple of 6 elements: 252); the bits=None one 8.6 / 10.1
-# at 1 MB, 11.6 / 12.1 at 2 MB, 19.9 / 17.6 at 4 MB, 324 / 258 at 64 MB
-# (bench/results/probe-all-reduce-tail-cpu.txt). (On a GPU the copies cost microseconds and
-# an exchange more: it always pads.)
+# fp32 sum on every rank, rounded once), one exchange round more. On 6 ranks (3 x 2, 2
+# cores) the quantized bf16 all-reduce took, padded / apart, 6.8 / 9.6 ms at 256 KB,
+# 9.0 / 10.7 at 1 MB, 24.9 / 22.8 at 4 MB, 91 / 77 at 16 MB and 322 / 260 at 64 MB (a
+# multiple of 6 elements: 252); the bits=None one 8.6 / 10.1 at 1 MB, 11.6 / 12.1 at 2 MB,
+# 19.9 / 17.6 at 4 MB, 324 / 258 at 64 MB (bench/results/probe-all-reduce-tail-cpu.txt).
+# (On a GPU the copies cost microseconds and an exchange more: it always pads.)
 HOST_TAIL_APART_MIN_BYTES = 4 << 20
 
 

@@ -257,7 +257,7 @@ def test_error_feedback_residuals_telescope(collective, world, node_size, kw, ta
     if collective == "reduce_scatter":
         numel = world * 999
     results = run_ranks(world, _ef_worker, node_size, collective, kw, steps, numel, tail_apart)
-    # The last numel % world elements apart: exact, no residual; the rest whole shards.
+    # The last numel % world elements apart: unquantized, no residual; the rest whole shards.
     tail = numel % world if tail_apart else 0
     n = -(-(numel - tail) // world)
     exact = _ef_expected_total(world, numel, steps)  # rank r holds partition r of it
