@@ -58,17 +58,18 @@ QCOLL_INLINE void zero_padding(uint8_t* chunk, const WireFormat& fmt, int64_t le
 // acc[i] += the value of code i (symmetric), in fp32 with an unfused multiply and add.
 template <CodeFormat kF>
 QCOLL_INLINE void decode_add(const uint8_t* in, int64_t m, float scale, float* acc) {
-  const auto value = code_values<kF>(math::GroupParams{scale, 0.0f}, /*sym=*/true);
-  if constexpr (code_bits(kF) == 8) {
-    for (int64_t i = 0; i < m; ++i) acc[i] = math::add(acc[i], value(in[i]));
-    return;
-  }
-  const int64_t pairs = m / 2;
-  for (int64_t i = 0; i < pairs; ++i) {
-    acc[2 * i] = math::add(acc[2 * i], value(in[i]));
-    acc[2 * i + 1] = math::add(acc[2 * i + 1], value(static_cast<uint8_t>(in[i] >> 4)));
-  }
-  if (m & 1) acc[m - 1] = math::add(acc[m - 1], value(in[pairs]));
+  with_code_values<kF>(math::GroupParams{scale, 0.0f}, /*sym=*/true, [&](const auto& value) QCOLL_LAMBDA {
+    if constexpr (code_bits(kF) == 8) {
+      for (int64_t i = 0; i < m; ++i) acc[i] = math::add(acc[i], value(in[i]));
+      return;
+    }
+    const int64_t pairs = m / 2;
+    for (int64_t i = 0; i < pairs; ++i) {
+      acc[2 * i] = math::add(acc[2 * i], value(in[i]));
+      acc[2 * i + 1] = math::add(acc[2 * i + 1], value(static_cast<uint8_t>(in[i] >> 4)));
+    }
+    if (m & 1) acc[m - 1] = math::add(acc[m - 1], value(in[pairs]));
+  });
 }
 
 // Error feedback (ReduceArgs::residual): after group g's codes of elements [c, c + k) were

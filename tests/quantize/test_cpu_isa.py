@@ -3,13 +3,17 @@
 Each path the CPU has is forced in turn and compared bit for bit with the baseline path on
 quantize (every format, symmetric and not, nearest and stochastic, Hadamard), dequantize and
 the wire encode; the inputs include values a few ulps from rounding ties, where the
-reciprocal fast path must hand over to division (checked against torch's own division)."""
+reciprocal fast path must hand over to division (checked against torch's own division).
+fp8 decodes by its bit assembly on the AVX-512 path and by a table on the others: every
+E4M3 byte is checked on every path against torch's float8_e4m3fn."""
 
 import pytest
 import torch
 
 import qcoll
 from qcoll import _C
+from tests.quantize.test_wire import decode_chunk, ref_chunk, run_reduce
+from tests.support import reference as ref
 
 _ALL = ("baseline", "avx2", "avx512")
 PATHS = _ALL[: _ALL.index(_C.cpu_isa_best()) + 1]  # every path this CPU has
@@ -74,6 +78,37 @@ def test_near_ties_match_division(restore_isa):
     s = q.scales.view(-1, 1)
     want = torch.round(g / s).clamp(-127, 127).to(torch.int8).view(torch.uint8).reshape(-1)
     assert torch.equal(q.data, want)
+
+
+def _fp8_values(codes: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """torch's decode of E4M3 bytes times scale (one fp32 rounding), in dtype; NaN bytes as the
+    canonical NaN qcoll stores (all mantissa bits set, like CUDA)."""
+    v = codes.view(torch.float8_e4m3fn).to(torch.float32) * scale
+    v = v.to(dtype)
+    nan = torch.tensor(0x7FFFFFFF if dtype == torch.float32 else 0x7FFF, dtype=torch.int32)
+    bits = v.view(torch.int32 if dtype == torch.float32 else torch.int16)
+    return torch.where(torch.isnan(v), nan.to(bits.dtype), bits)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_fp8_byte_decodes_like_torch(path, dtype, restore_isa):
+    assert _C.set_cpu_isa(path)
+    # Every byte three times (vector loops) and five more (the scalar tail), NaN bytes included.
+    codes = torch.cat([torch.arange(256).repeat(3), torch.arange(5)]).to(torch.uint8)
+    n = codes.numel()
+    q = qcoll.QuantizedTensor(data=codes, scales=torch.tensor([0.75]), offsets=None, shape=(n,),
+                              dtype=dtype, format="fp8_e4m3", group_size=-(-n // 8) * 8)
+    got = qcoll.dequantize(q)
+    assert torch.equal(got.view(torch.int32 if dtype == torch.float32 else torch.int16),
+                       _fp8_values(codes, 0.75, dtype))
+    # The wire decode (reduce_chunks, one source): every finite byte, scale 1 (absmax 448).
+    x = torch.cat([torch.tensor([448.0]), codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn).float()])
+    chunk = ref_chunk(x, ref.FP8, 1024)
+    y = run_reduce(chunk, ref.FP8, 1024, torch.float32, x.numel(), 1, 0, 1, 0, 1.0,
+                   ("values", torch.float32, x.numel()))
+    assert torch.equal(y, x)
+    assert torch.equal(y, decode_chunk(chunk, ref.FP8, 1024, torch.float32, x.numel()))
 
 
 def test_set_cpu_isa_refuses_unknown_paths(restore_isa):
