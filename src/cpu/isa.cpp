@@ -36,11 +36,6 @@ Isa detect() {
   return best;
 }
 
-std::atomic<int>& active() {
-  static std::atomic<int> a{static_cast<int>(best_isa())};
-  return a;
-}
-
 }  // namespace
 
 const char* isa_name(Isa isa) {
@@ -66,11 +61,9 @@ Isa best_isa() {
   return best;
 }
 
-Isa active_isa() { return static_cast<Isa>(active().load(std::memory_order_relaxed)); }
-
 bool set_isa(Isa isa) {
   if (!supported(isa)) return false;
-  active().store(static_cast<int>(isa), std::memory_order_relaxed);
+  active_isa_slot().store(static_cast<int>(isa), std::memory_order_relaxed);
   return true;
 }
 

@@ -3,6 +3,8 @@
 // same IEEE operations (no FMA: -ffp-contract=off), so their results are bit-identical.
 #pragma once
 
+#include <atomic>
+
 namespace qcoll {
 namespace cpu {
 
@@ -12,8 +14,13 @@ const char* isa_name(Isa isa);
 // The widest path this CPU supports, capped by the environment variable QCOLL_CPU_ISA
 // (baseline, avx2, avx512) when set.
 Isa best_isa();
-// The path the kernels take now (best_isa() until set_isa).
-Isa active_isa();
+// The path the kernels take now (best_isa() until set_isa). Inline: the fp8 decode loops
+// read it once per chunk or group (quant_loops.h: with_code_values).
+inline std::atomic<int>& active_isa_slot() {
+  static std::atomic<int> slot{static_cast<int>(best_isa())};
+  return slot;
+}
+inline Isa active_isa() { return static_cast<Isa>(active_isa_slot().load(std::memory_order_relaxed)); }
 // Forces a path (tests compare them bit for bit); returns false, changing nothing, when
 // the CPU lacks it.
 bool set_isa(Isa isa);

@@ -80,35 +80,51 @@ def test_near_ties_match_division(restore_isa):
     assert torch.equal(q.data, want)
 
 
-def _fp8_values(codes: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """torch's decode of E4M3 bytes times scale (one fp32 rounding), in dtype; NaN bytes as the
-    canonical NaN qcoll stores (all mantissa bits set, like CUDA)."""
-    v = codes.view(torch.float8_e4m3fn).to(torch.float32) * scale
-    v = v.to(dtype)
-    nan = torch.tensor(0x7FFFFFFF if dtype == torch.float32 else 0x7FFF, dtype=torch.int32)
-    bits = v.view(torch.int32 if dtype == torch.float32 else torch.int16)
-    return torch.where(torch.isnan(v), nan.to(bits.dtype), bits)
+def _fp8_bits(codes: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The bits of torch's decode of E4M3 bytes times scale (one fp32 rounding), in dtype; NaN
+    as the canonical NaN qcoll stores (all mantissa bits set, like CUDA)."""
+    v = (codes.view(torch.float8_e4m3fn).to(torch.float32) * torch.tensor(scale)).to(dtype)
+    return _canonical_bits(v)
+
+
+def _canonical_bits(v: torch.Tensor) -> torch.Tensor:
+    """v's bits as integers (so -0 differs from +0), every NaN as the canonical one."""
+    wide = v.dtype == torch.float32
+    bits = v.view(torch.int32 if wide else torch.int16)
+    nan = torch.tensor(0x7FFFFFFF if wide else 0x7FFF, dtype=bits.dtype)
+    return torch.where(torch.isnan(v), nan, bits)
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_fp8_byte_decodes_like_torch(path, dtype, restore_isa):
+@pytest.mark.parametrize("scale", [0.7, 0.0, 3e-39, float("inf"), float("nan")])
+def test_every_fp8_byte_dequantizes_like_torch(path, dtype, scale, restore_isa):
     assert _C.set_cpu_isa(path)
     # Every byte three times (vector loops) and five more (the scalar tail), NaN bytes included.
     codes = torch.cat([torch.arange(256).repeat(3), torch.arange(5)]).to(torch.uint8)
     n = codes.numel()
-    q = qcoll.QuantizedTensor(data=codes, scales=torch.tensor([0.75]), offsets=None, shape=(n,),
+    q = qcoll.QuantizedTensor(data=codes, scales=torch.tensor([scale]), offsets=None, shape=(n,),
                               dtype=dtype, format="fp8_e4m3", group_size=-(-n // 8) * 8)
-    got = qcoll.dequantize(q)
-    assert torch.equal(got.view(torch.int32 if dtype == torch.float32 else torch.int16),
-                       _fp8_values(codes, 0.75, dtype))
-    # The wire decode (reduce_chunks, one source): every finite byte, scale 1 (absmax 448).
-    x = torch.cat([torch.tensor([448.0]), codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn).float()])
-    chunk = ref_chunk(x, ref.FP8, 1024)
-    y = run_reduce(chunk, ref.FP8, 1024, torch.float32, x.numel(), 1, 0, 1, 0, 1.0,
-                   ("values", torch.float32, x.numel()))
-    assert torch.equal(y, x)
-    assert torch.equal(y, decode_chunk(chunk, ref.FP8, 1024, torch.float32, x.numel()))
+    assert torch.equal(_canonical_bits(qcoll.dequantize(q)), _fp8_bits(codes, scale, dtype))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_fp8_byte_in_the_wire_sum_like_torch(path, restore_isa):
+    """reduce_chunks over two fp8 chunks (the first decoded, the second decoded and added):
+    every finite byte in each (the second at a scale that rounds), summed in fp32."""
+    assert _C.set_cpu_isa(path)
+    codes = torch.arange(256).to(torch.uint8)
+    values = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn).float()
+    x1 = torch.cat([torch.tensor([448.0]), values])  # absmax 448: scale 1, codes = the bytes
+    x2 = -0.3 * x1.flip(0)  # a scale with rounding, the bytes in another order
+    chunks = [ref_chunk(x, ref.FP8, 1024) for x in (x1, x2)]
+    n, size = x1.numel(), chunks[0].numel()
+    y = run_reduce(torch.cat(chunks), ref.FP8, 1024, torch.float32, n, 2, size, 1, 0, 1.0,
+                   ("values", torch.float32, n))
+    want = decode_chunk(chunks[0], ref.FP8, 1024, torch.float32, n) + decode_chunk(
+        chunks[1], ref.FP8, 1024, torch.float32, n)
+    assert torch.equal(_canonical_bits(y), _canonical_bits(want))
+    assert torch.equal(decode_chunk(chunks[0], ref.FP8, 1024, torch.float32, n), x1)
 
 
 def test_set_cpu_isa_refuses_unknown_paths(restore_isa):
