@@ -139,6 +139,12 @@ def run(quick: bool, progress, update: bool = False, slow: str | None = None,
         # The floors are one thread per process, as under torchrun: other counts change the ratios.
         raise SystemExit("the gate runs with one thread per process, as its floors were measured: "
                          "OMP_NUM_THREADS=1 python bench/run.py gate")
+    isa, floors_isa = qcoll.build_info()["cpu_isa"], _floors_isa(floors_path)
+    if not update and floors_isa and isa != floors_isa:
+        # The kernels' ratios differ by path (fp8 decodes by a table below AVX-512).
+        raise SystemExit(f"the floors in {floors_path} were measured on the CPU kernels' {floors_isa} "
+                         f"path and this machine runs {isa} (qcoll.build_info()['cpu_isa']): run the "
+                         f"gate where CI runs it, or write floors for this path with --update")
     parts = [p for p in gate_parts.split(",") if p]
     bad = set(parts) - set(PARTS)
     if bad:
@@ -162,7 +168,7 @@ def run(quick: bool, progress, update: bool = False, slow: str | None = None,
         # Cells of the parts not measured keep their floors.
         keep = {c: f for c, f in floors.items() if _part_of(c) not in parts}
         with open(floors_path, "w") as f:
-            json.dump({"tolerance": TOLERANCE, "kernel_bytes": KERNEL_BYTES,
+            json.dump({"tolerance": TOLERANCE, "kernel_bytes": KERNEL_BYTES, "cpu_isa": isa,
                        "collective_bytes": COLLECTIVE_BYTES,
                        "floors": dict(sorted({**keep, **cells}.items()))}, f, indent=1)
             f.write("\n")
@@ -183,6 +189,11 @@ def run(quick: bool, progress, update: bool = False, slow: str | None = None,
     failed = [c for c, v in verdict["cells"].items() if v["status"] != "ok"]
     return {"tolerance": TOLERANCE, "parts": parts, "retried": sorted(retried), "seconds": time.perf_counter() - t0,
             "failed": bool(failed), "failing_cells": failed, **verdict}
+
+
+def _floors_isa(path: str):
+    """The CPU kernels' ISA path the floors were measured on (None: not recorded)."""
+    return load_floors(path).get("cpu_isa") if os.path.exists(path) else None
 
 
 def _part_of(cell: str) -> str:

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+import pytest
+
 from tests.bench.test_bench import ROOT, _run
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -47,6 +49,20 @@ def test_committed_floors_cover_every_kernel_and_collective_cell():
 def test_gate_refuses_other_thread_counts_than_its_floors():
     proc = _run("gate", "--gate-parts", "kernels", env=dict(os.environ, OMP_NUM_THREADS="2"))
     assert proc.returncode != 0 and "OMP_NUM_THREADS=1" in proc.stderr
+
+
+def test_gate_refuses_another_isa_path_than_its_floors():
+    """Floors measured on one CPU kernel path (bench/gate.json's cpu_isa) do not judge another:
+    the gate stops, naming both, before measuring."""
+    floors_isa = gate.load_floors()["cpu_isa"]
+    assert floors_isa in ("baseline", "avx2", "avx512")
+    if floors_isa == "baseline":
+        pytest.skip("the floors are the baseline path's: every CPU can take it")
+    proc = _run("gate", "--gate-parts", "kernels",
+                env=dict(os.environ, OMP_NUM_THREADS="1", QCOLL_CPU_ISA="baseline"))
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert f"measured on the CPU kernels' {floors_isa} path" in proc.stderr, proc.stderr[-2000:]
+    assert "this machine runs baseline" in proc.stderr
 
 
 def test_gate_fails_on_a_deliberately_slowed_kernel():
