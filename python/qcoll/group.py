@@ -89,6 +89,8 @@ class Group:
         if _role == "group":  # a dropped Group stops its thread (sub-groups share it)
             # Not at interpreter exit: a call blocked on a dead peer must not hold exit up.
             weakref.finalize(self, self._calls.close).atexit = False
+            # Nor block: calls still running on the GPU keep their memory (streams.py).
+            weakref.finalize(self, self._cuda.orphan).atexit = False
             _live_groups.add(self)
 
     def _next_sequence(self) -> int:

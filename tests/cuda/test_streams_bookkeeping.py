@@ -14,6 +14,7 @@ from qcoll._runtime import call as runtime_call
 from qcoll._runtime.streams import CudaCalls
 from qcoll._runtime.worker import CommunicationError, Work
 from qcoll.group import Group
+from tests.support.distributed import run_ranks
 
 DEV = torch.device("cuda", 0)
 
@@ -324,6 +325,63 @@ def test_close_synchronizes_both_streams_before_dropping_unwaited_calls():
     assert ("synchronize", stream.name) in rt.log and ("synchronize", lane.name) in rt.log
     assert not calls._in_flight and not calls._workspaces and not calls._captures
     assert call.tensors == ("x",), "the Work still holds its tensors; the group no longer does"
+
+
+def test_a_dropped_family_keeps_its_running_calls_memory_until_they_complete():
+    """A Group dropped (not closed) with an unwaited async call still queued: the call's
+    tensors and the workspace it uses outlive the family until the call is seen completed."""
+    import gc
+    import weakref
+
+    from qcoll._runtime import streams
+
+    rt, seen = FakeCuda(), []
+    calls = CudaCalls(rt)
+    x, out = torch.ones(3), torch.zeros(3)
+    done_call = calls.run(DEV, _launcher(rt, seen), 8, (torch.ones(1),), (), "c0", async_op=True)
+    seen[0][0].complete_all()  # the first call has completed: nothing to keep for it
+    calls.run(DEV, _launcher(rt, seen), 16, (x, out), (), "c1", async_op=True)  # its Work dropped
+    stream, _, workspace = seen[1]
+    alive = [weakref.ref(t) for t in (x, out)]
+    del x, out, workspace, seen
+    calls.orphan()
+    del calls
+    gc.collect()
+    assert all(r() is not None for r in alive), "the running call's tensors were freed"
+    assert any(w.numel() >= 16 for _, ws in streams._ORPHANS for w in ws), "its workspace too"
+    assert not any(done_call in c for c, _ in streams._ORPHANS), "a completed call is not kept"
+    other = CudaCalls(rt)
+    other.run(DEV, _launcher(rt, []), 8, (), (), "another family", async_op=False)
+    assert all(r() is not None for r in alive), "released before the call completed"
+    stream.complete_all()
+    other.run(DEV, _launcher(rt, []), 8, (), (), "another family", async_op=False)
+    gc.collect()
+    assert all(r() is None for r in alive) and not streams._ORPHANS
+
+
+def _drop_a_group(rank, world):
+    """A real Group made and dropped (no close()): its family's CudaCalls is told."""
+    import gc
+
+    import qcoll.group
+
+    log = []
+
+    class Recording(CudaCalls):
+        def orphan(self):
+            log.append("orphan")
+            super().orphan()
+
+    qcoll.group.CudaCalls = Recording  # this worker process only
+    group = qcoll.new_group(node_size=1)
+    group.intra, group.inter  # noqa: B018 - sub-groups share the family: told once
+    del group
+    gc.collect()
+    return log
+
+
+def test_a_dropped_group_orphans_its_cuda_calls():
+    assert run_ranks(2, _drop_a_group, timeout=60) == [["orphan"], ["orphan"]]
 
 
 def test_group_close_destroys_communicators_before_releasing_cuda_calls(monkeypatch):

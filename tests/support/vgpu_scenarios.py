@@ -265,13 +265,21 @@ def never_joins(rank: int, world: int, timeout_s: float) -> dict:
             "live": len(_nccl._live_comms)}
 
 
-def exit_with_live_communicators(rank: int, world: int) -> str:
-    """The process exits with its communicators alive (no close()): atexit aborts them."""
+_KEPT = []  # exit_with_live_communicators(keep=True): alive until the interpreter exits
+
+
+def exit_with_live_communicators(rank: int, world: int, keep: bool = True) -> str:
+    """The process exits with its communicators alive (no close()): atexit aborts them.
+    keep=False: the Group, the Work and the tensors are dropped while the async call may
+    still run; the call's memory must outlive the Group (streams.py: _ORPHANS), not be
+    freed under the running stream."""
     _check_setup()
     ours, _ = _groups(2)
     out = torch.empty(world * 100)
     qcoll.quantized_reduce_scatter(torch.empty(100), torch.randn(world * 100), ours)
-    qcoll.quantized_allgather(out, torch.randn(100), ours, async_op=True)
+    work = qcoll.quantized_allgather(out, torch.randn(100), ours, async_op=True)
+    if keep:
+        _KEPT.append((ours, out, work))
     return "exiting"
 
 

@@ -21,7 +21,9 @@ hand the memory to the caller's next allocation) or, when it is never waited, un
 completion event is seen done at a later call: ProcessGroupNCCL's
 TORCH_NCCL_AVOID_RECORD_STREAMS=1 policy, chosen over record_stream because memory comes back
 when the caller waits rather than when the allocator next polls events. As there, wait() on
-the stream the tensors were allocated on (the one current at the call). A synchronous call
+the stream the tensors were allocated on (the one current at the call). A Group dropped
+without close() hands its calls still in flight, and their workspace, to _ORPHANS, where
+they stay until seen completed. A synchronous call
 needs nothing: the caller's stream waits before it returns. The workspace is one cached
 buffer per family and device, allocated on the communication stream, which alone uses it,
 one call after the other.
@@ -75,6 +77,20 @@ class TorchCuda:
 
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+# Dropped Group families' calls still in flight, with the workspace they may use: a Group
+# dropped without close() while an async_op=True call whose Work was dropped too is still
+# queued would otherwise free that call's input, output and workspace under the running
+# stream (the caching allocator hands the memory out again; on the virtual GPU, glibc's heap
+# is corrupted). Its finalizer (group.py) moves them here, without blocking (a call may wait
+# on a dead peer); each later call of any family releases those seen completed.
+_ORPHANS: "collections.deque[tuple]" = collections.deque()
+
+
+def _release_orphans() -> None:
+    while _ORPHANS and all(call.done() for call in _ORPHANS[0][0]):
+        _ORPHANS.popleft()
 
 
 def _default_runtime():
@@ -161,6 +177,7 @@ class CudaCalls:
         capture = self._rt.capture_id(device)
         if not capture:  # a query during capture would invalidate it
             self._release_completed()
+            _release_orphans()
         stream, lane = self.streams(device)
         ready = self._rt.new_event()
         ready.record(caller)
@@ -208,6 +225,16 @@ class CudaCalls:
         """Forget the tensors of calls waited for or seen completed, in issue order."""
         while self._in_flight and (self._in_flight[0].tensors is None or self._in_flight[0].done()):
             self._in_flight.popleft().tensors = None
+
+    def orphan(self) -> None:
+        """The family's Group was dropped without close(): its calls still in flight and the
+        eager workspace move to _ORPHANS until the calls are seen completed (the graphs'
+        workspaces stay with this object, as the graphs' own)."""
+        pending = [c for c in self._in_flight if c.tensors is not None and not c.done()]
+        if pending:
+            _ORPHANS.append((pending, list(self._workspaces.values())))
+        self._in_flight.clear()
+        self._workspaces.clear()
 
     def close(self) -> None:
         """Called once the family's communicators are destroyed (their work finished or
