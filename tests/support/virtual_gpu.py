@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))  # the repository: tests.support i
 def run_virtual(world: int, scenario: str, *args, env=None, timeout: float = 120.0,
                 dead=()) -> list:
     """vgpu_scenarios.<scenario>(rank, world, *args) on `world` ranks; the per-rank results.
+    Every other rank must write its result and exit with 0.
     env: {rank: {VAR: value}}. dead: ranks that exit on purpose (their result is None and
     the others skip the final barrier)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,6 +68,10 @@ def run_virtual(world: int, scenario: str, *args, env=None, timeout: float = 120
                 continue
             if not os.path.exists(path):
                 raise AssertionError(f"rank {r} of {scenario} failed\n" + "\n".join(logs))
+            # A rank that crashed after writing its result (at exit, say) has failed too.
+            if procs[r][0].returncode != 0:
+                raise AssertionError(f"rank {r} of {scenario} exited with {procs[r][0].returncode}"
+                                     " after its result\n" + "\n".join(logs))
             with open(path, "rb") as f:
                 results.append(pickle.load(f))
         return results

@@ -107,9 +107,15 @@ struct Runtime {
 };
 
 Runtime& rt() {
-  static Runtime r;
-  return r;
+  // Never destroyed: in the virtual-GPU build a stream thread may still be running a grid
+  // while the process exits, and a static destructor would free what it is using.
+  static Runtime* r = new Runtime;
+  return *r;
 }
+
+// An object in this module's writable data segment, where its __shared__ statics live:
+// find_data_segment finds the segment by this address (the Runtime is on the heap).
+char g_data_segment_probe;
 
 // ---- errors ---------------------------------------------------------------------------------------
 std::string where(const Runtime& r, const Fiber* f) {
@@ -351,8 +357,7 @@ std::string kernel_name(const char* signature) {
 }
 
 int find_data_segment(dl_phdr_info* info, size_t, void* out) {
-  Runtime& r = rt();
-  const uintptr_t probe = reinterpret_cast<uintptr_t>(&r);
+  const uintptr_t probe = reinterpret_cast<uintptr_t>(&g_data_segment_probe);
   for (int i = 0; i < info->dlpi_phnum; ++i) {
     const ElfW(Phdr)& ph = info->dlpi_phdr[i];
     if (ph.p_type != PT_LOAD || !(ph.p_flags & PF_W)) continue;
