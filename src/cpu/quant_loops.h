@@ -208,10 +208,10 @@ inline const float* fp8_e4m3_values() {
 }
 
 // Calls f(value), value(b) being math::decode_value(b, p, kF, sym) (fp8: symmetric only).
-// fp8 decodes by its bit assembly on the AVX-512 path, which vectorizes it (1.5x the
+// fp8 decodes by its bit assembly on the AVX-512 path, which vectorizes it (1.7-1.8x the
 // table's speed); the narrower paths look it up in the table, which GCC assembles from
-// scalar loads faster than their vectors do the selects (AVX2: the bits 1.4x slower
-// there). Both give math::fp8_e4m3_decode's bits.
+// scalar loads faster than their vectors do the selects (AVX2: the bits 1.1-1.3x slower
+// there, baseline 1.8-1.9x). Both give math::fp8_e4m3_decode's bits.
 template <CodeFormat kF, typename F>
 QCOLL_INLINE void with_code_values(const math::GroupParams& p, bool sym, F&& f) {
   if constexpr (kF == CodeFormat::kFp8E4M3) {
