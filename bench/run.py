@@ -97,9 +97,21 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def tcp_congestion_control() -> str:
+    """The host's TCP congestion control ("" where unknown). It sets how often gloo's calls
+    stall on loopback: bbr's 4-packet window floor with delayed ACKs stalls messages just past
+    4 segments (bench/results/probe-stalls-1mb-bbr-cpu.txt); cubic does not."""
+    try:
+        with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def machine() -> dict:
     info = {"host": platform.node(), "cpu": cpu_model(), "cpus": os.cpu_count(),
-            "kernel": platform.release(), "torch": torch.__version__, "qcoll": qcoll.build_info()}
+            "kernel": platform.release(), "tcp_congestion_control": tcp_congestion_control(),
+            "torch": torch.__version__, "qcoll": qcoll.build_info()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
