@@ -54,7 +54,7 @@ from rich.progress import Progress  # noqa: E402
 import qcoll  # noqa: E402
 from suites import (auto, cluster, collectives, error_feedback, fidelity, gate, group_size, kernels,  # noqa: E402
                     project, sizes, zero)  # noqa: E402
-from timing import parse_sizes  # noqa: E402
+from timing import cpuinfo_field, parse_sizes  # noqa: E402
 
 # Each suite module provides run(quick, progress, **options) -> dict, table(result) -> lines,
 # and plot(result, path). Options a suite does not take are refused (see OPTIONS).
@@ -87,14 +87,7 @@ OPTIONS = {  # suite -> the options of this command line it understands
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo_field("model name") or platform.processor() or platform.machine()
 
 
 def tcp_congestion_control() -> str:

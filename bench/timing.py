@@ -147,3 +147,15 @@ def wait_for_quiet(max_cores: float = 0.25, timeout: float = 60.0, sample: float
             time.sleep(sample)
         if load.cores < max_cores or time.monotonic() > deadline:
             return load.cores
+
+
+def cpuinfo_field(name: str) -> str:
+    """The first value of `name` in /proc/cpuinfo ("" where absent or unreadable)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(name):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""

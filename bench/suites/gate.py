@@ -29,7 +29,7 @@ import time
 import torch
 
 import qcoll
-from timing import human_bytes
+from timing import cpuinfo_field, human_bytes
 
 from . import _ranks, collectives, kernels, sizes
 
@@ -164,17 +164,25 @@ def run(quick: bool, progress, update: bool = False, slow: str | None = None,
                 for cell, r in _measure(part, slow).items():
                     measured[part][cell] = min(measured[part].get(cell, r), r)
         cells = {cell: round(r, 4) for part in parts for cell, r in measured[part].items()}
-        floors = load_floors(floors_path)["floors"] if os.path.exists(floors_path) else {}
+        old = load_floors(floors_path) if os.path.exists(floors_path) else {}
+        vendor, main_vendor = cpu_vendor(), old.get("cpu_vendor", cpu_vendor())
+        by_vendor = old.get("kernel_floors_by_vendor", {})
+        floors = old.get("floors", {})
+        if vendor != main_vendor:  # another CPU family's kernel floors, beside the main ones
+            by_vendor = {**by_vendor, vendor: {c: f for c, f in sorted(cells.items())
+                                               if _part_of(c) == "kernels"}}
+            cells = {}
         # Cells of the parts not measured keep their floors.
-        keep = {c: f for c, f in floors.items() if _part_of(c) not in parts}
+        keep = {c: f for c, f in floors.items() if not cells or _part_of(c) not in parts}
         with open(floors_path, "w") as f:
             json.dump({"tolerance": TOLERANCE, "kernel_bytes": KERNEL_BYTES, "cpu_isa": isa,
-                       "collective_bytes": COLLECTIVE_BYTES,
-                       "floors": dict(sorted({**keep, **cells}.items()))}, f, indent=1)
+                       "cpu_vendor": main_vendor, "collective_bytes": COLLECTIVE_BYTES,
+                       "floors": dict(sorted({**keep, **cells}.items())),
+                       "kernel_floors_by_vendor": by_vendor}, f, indent=1)
             f.write("\n")
         return {"updated": floors_path, "measured": measured, "seconds": time.perf_counter() - t0,
                 "failed": False}
-    floors = {c: f for c, f in load_floors(floors_path)["floors"].items() if _part_of(c) in parts}
+    floors = {c: f for c, f in floors_for_this_cpu(load_floors(floors_path)).items() if _part_of(c) in parts}
     flat = {c: r for part in parts for c, r in measured[part].items()}
     verdict = compare(flat, floors)
     for _ in range(RETRIES):  # the parts with a slow cell again, each cell keeping its best
@@ -189,6 +197,24 @@ def run(quick: bool, progress, update: bool = False, slow: str | None = None,
     failed = [c for c, v in verdict["cells"].items() if v["status"] != "ok"]
     return {"tolerance": TOLERANCE, "parts": parts, "retried": sorted(retried), "seconds": time.perf_counter() - t0,
             "failed": bool(failed), "failing_cells": failed, **verdict}
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD; "" where unknown). The kernels'
+    ratios to copy differ by CPU family at the same ISA path: on an AMD EPYC VM with AVX-512
+    the Intel floors' Hadamard and int4 cells measured 39-74% of them, unchanged code."""
+    return cpuinfo_field("vendor_id")
+
+
+def floors_for_this_cpu(spec: dict) -> dict:
+    """The floors this machine is held to: the main ones, with the kernel cells of its CPU
+    vendor's own section where the file has one (--update on such a machine writes it)."""
+    floors = dict(spec["floors"])
+    vendor = cpu_vendor()
+    if vendor != spec.get("cpu_vendor", vendor):
+        own = spec.get("kernel_floors_by_vendor", {}).get(vendor, {})
+        floors.update(own)
+    return floors
 
 
 def _floors_isa(path: str):

@@ -24,6 +24,18 @@ def test_compare_flags_a_ratio_below_tolerance_of_its_floor():
     assert verdict["new"] == {}
 
 
+def test_another_cpu_vendor_is_held_to_its_own_kernel_floors(monkeypatch):
+    spec = {"cpu_vendor": "GenuineIntel",
+            "floors": {"kernel k fp32 16 MB": 1.0, "allgather x vs torch": 0.8},
+            "kernel_floors_by_vendor": {"AuthenticAMD": {"kernel k fp32 16 MB": 0.6}}}
+    monkeypatch.setattr(gate, "cpu_vendor", lambda: "AuthenticAMD")
+    assert gate.floors_for_this_cpu(spec) == {"kernel k fp32 16 MB": 0.6, "allgather x vs torch": 0.8}
+    monkeypatch.setattr(gate, "cpu_vendor", lambda: "GenuineIntel")
+    assert gate.floors_for_this_cpu(spec) == spec["floors"]
+    monkeypatch.setattr(gate, "cpu_vendor", lambda: "HygonGenuine")  # no section: the main floors
+    assert gate.floors_for_this_cpu(spec) == spec["floors"]
+
+
 def test_compare_fails_a_floor_whose_cell_is_gone_and_reports_new_cells():
     verdict = gate.compare({"renamed": 1.0}, {"old": 1.0})
     assert verdict["cells"]["old"]["status"] == "missing"
