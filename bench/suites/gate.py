@@ -165,19 +165,17 @@ def run(quick: bool, progress, update: bool = False, slow: str | None = None,
                     measured[part][cell] = min(measured[part].get(cell, r), r)
         cells = {cell: round(r, 4) for part in parts for cell, r in measured[part].items()}
         old = load_floors(floors_path) if os.path.exists(floors_path) else {}
-        vendor, main_vendor = cpu_vendor(), old.get("cpu_vendor", cpu_vendor())
-        by_vendor = old.get("kernel_floors_by_vendor", {})
-        floors = old.get("floors", {})
-        if vendor != main_vendor:  # another CPU family's kernel floors, beside the main ones
-            by_vendor = {**by_vendor, vendor: {c: f for c, f in sorted(cells.items())
-                                               if _part_of(c) == "kernels"}}
-            cells = {}
-        # Cells of the parts not measured keep their floors.
-        keep = {c: f for c, f in floors.items() if not cells or _part_of(c) not in parts}
+        vendor = cpu_vendor()
+        main_vendor = old.get("cpu_vendor", vendor)
+        floors, by_vendor = old.get("floors", {}), dict(old.get("kernel_floors_by_vendor", {}))
+        if vendor == main_vendor:  # cells of the parts not measured keep their floors
+            floors = {**{c: f for c, f in floors.items() if _part_of(c) not in parts}, **cells}
+        elif "kernels" in parts:  # another CPU family: its own kernel floors, the main ones kept
+            by_vendor[vendor] = {c: f for c, f in sorted(cells.items()) if _part_of(c) == "kernels"}
         with open(floors_path, "w") as f:
             json.dump({"tolerance": TOLERANCE, "kernel_bytes": KERNEL_BYTES, "cpu_isa": isa,
                        "cpu_vendor": main_vendor, "collective_bytes": COLLECTIVE_BYTES,
-                       "floors": dict(sorted({**keep, **cells}.items())),
+                       "floors": dict(sorted(floors.items())),
                        "kernel_floors_by_vendor": by_vendor}, f, indent=1)
             f.write("\n")
         return {"updated": floors_path, "measured": measured, "seconds": time.perf_counter() - t0,

@@ -36,6 +36,29 @@ def test_another_cpu_vendor_is_held_to_its_own_kernel_floors(monkeypatch):
     assert gate.floors_for_this_cpu(spec) == spec["floors"]
 
 
+def test_update_on_another_cpu_vendor_writes_its_kernel_floors_and_keeps_the_main_ones(monkeypatch, tmp_path):
+    path = tmp_path / "gate.json"
+    main = {"kernel k fp32 16 MB": 1.0, "allgather x vs torch": 0.8}
+    path.write_text(json.dumps({"cpu_isa": "avx512", "cpu_vendor": "GenuineIntel", "floors": main}))
+    measured = iter([0.7, 0.5, 0.6])  # --update keeps each cell's lowest run
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(gate.qcoll, "build_info", lambda: {"cpu_isa": "avx512"})
+    monkeypatch.setattr(gate, "_measure", lambda part, slow: {"kernel k fp32 16 MB": next(measured)})
+    monkeypatch.setattr(gate, "cpu_vendor", lambda: "AuthenticAMD")
+
+    class Progress:
+        def add_task(self, *a, **k):
+            return 0
+
+        def advance(self, *a):
+            pass
+
+    gate.run(False, Progress(), update=True, gate_parts="kernels", floors_path=str(path))
+    written = json.loads(path.read_text())
+    assert written["floors"] == main and written["cpu_vendor"] == "GenuineIntel"
+    assert written["kernel_floors_by_vendor"] == {"AuthenticAMD": {"kernel k fp32 16 MB": 0.5}}
+
+
 def test_compare_fails_a_floor_whose_cell_is_gone_and_reports_new_cells():
     verdict = gate.compare({"renamed": 1.0}, {"old": 1.0})
     assert verdict["cells"]["old"]["status"] == "missing"
