@@ -44,7 +44,9 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,9 +103,22 @@ def tcp_congestion_control() -> str:
         return ""
 
 
+def loopback_quickack() -> Optional[bool]:
+    """Whether the route gloo's loopback sockets take (local 127.0.0.1) has `quickack 1`, which
+    turns TCP's delayed ACKs off there and with them the stalls above, torch's included
+    (None where `ip` cannot tell)."""
+    try:
+        route = subprocess.run(["ip", "route", "show", "table", "local", "127.0.0.1"],
+                               capture_output=True, text=True, timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return "quickack 1" in route
+
+
 def machine() -> dict:
     info = {"host": platform.node(), "cpu": cpu_model(), "cpus": os.cpu_count(),
             "kernel": platform.release(), "tcp_congestion_control": tcp_congestion_control(),
+            "loopback_quickack": loopback_quickack(),
             "torch": torch.__version__, "qcoll": qcoll.build_info()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()

@@ -9,8 +9,8 @@ block only), so that a thread count's time is compared with the other's measured
 Every call's time is kept (the slowest rank's), and each block's total, with the evidence
 of what a stalled call waited for (stall_evidence.py): whether a full garbage collection ran
 during it on any rank, the steal during its block, and the TCP delayed ACKs sent during the
-first call of its block (read outside the timed call). Rank 0 writes the cells as JSON to
-the config's "out" path."""
+first call of its block and during its later calls (read outside the timed calls). Rank 0
+writes the cells as JSON to the config's "out" path."""
 
 from __future__ import annotations
 
@@ -98,6 +98,7 @@ def measure(fns: dict, blocks: int, budget_s: float) -> dict:
     full_gc = {name: [] for name in fns}
     steal = {name: [] for name in fns}
     first_acks = {name: [] for name in fns}
+    later_acks = {name: [] for name in fns}
     order = list(fns)
     wall0, busy0, own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
     with FullCollections() as collections:
@@ -117,13 +118,16 @@ def measure(fns: dict, blocks: int, budget_s: float) -> dict:
                     starts.append(c0)
                     ends.append(c1)
                     if i == 0:  # the first call's delayed ACKs, its reading left out of the block
-                        acks = delayed_acks() - acks
+                        after_first = delayed_acks()
+                        acks = after_first - acks
                         start += time.perf_counter() - c1
                 totals[name].append(time.perf_counter() - start)
+                later = delayed_acks() - after_first
                 times[name] += [e - s for s, e in zip(starts, ends)]
                 full_gc[name] += collections.overlapping(starts, ends)
                 steal[name].append(steal_seconds() - steal0)
                 first_acks[name].append(float(acks))
+                later_acks[name].append(float(later))
     # CPU that processes other than the ranks used meanwhile, in cores (machine-wide).
     wall, busy = time.perf_counter() - wall0, _busy_seconds() - busy0
     own = torch.tensor([_own_seconds() - own0], dtype=torch.float64)
@@ -132,7 +136,8 @@ def measure(fns: dict, blocks: int, budget_s: float) -> dict:
     return {name: {"calls_s": slowest(times[name]), "blocks_s": slowest(totals[name]),
                    "calls_per_block": k, "other_cores": slowest([others])[0],
                    "full_gc": slowest(full_gc[name]), "block_steal_s": slowest(steal[name]),
-                   "first_call_delayed_acks": slowest(first_acks[name])} for name in fns}
+                   "first_call_delayed_acks": slowest(first_acks[name]),
+                   "later_calls_delayed_acks": slowest(later_acks[name])} for name in fns}
 
 
 def main() -> None:

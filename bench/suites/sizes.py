@@ -68,8 +68,10 @@ def stalls(times: list) -> int:
 
 # A stall's cause, by the evidence the worker kept (bench/stall_evidence.py), in this order:
 # a full garbage collection during the call on some rank; at least one clock tick (10 ms) of
-# steal during its block; the first call of its block, during which TCP sent delayed ACKs;
-# else unexplained (qcoll's or torch's own).
+# steal during its block; TCP sent delayed ACKs during the call (the first of its block) or
+# during its block's later calls (a later call: back-to-back calls leave the delayed-ACK
+# timer nothing to wait for unless a sender's window is stuck, as bbr's 4-packet floor does:
+# bench/results/probe-stalls-1mb-bbr-cpu.txt); else unexplained (qcoll's or torch's own).
 STALL_CAUSES = ("full_gc", "steal", "delayed_ack", "unexplained")
 STEAL_EVIDENCE_S = 0.01
 
@@ -88,6 +90,8 @@ def stall_causes(d: dict) -> dict:
         elif d["block_steal_s"][block] >= STEAL_EVIDENCE_S:
             cause = "steal"
         elif i % k == 0 and d["first_call_delayed_acks"][block] > 0:
+            cause = "delayed_ack"
+        elif i % k and d.get("later_calls_delayed_acks", [0] * (block + 1))[block] > 0:
             cause = "delayed_ack"
         else:
             cause = "unexplained"

@@ -141,7 +141,7 @@ def test_sizes_puts_each_stalled_call_down_to_the_evidence_kept_for_it():
     calls = [0.002] * 12
     calls[1] = 0.060   # block 0: a full collection ran during it (and steal too: gc wins)
     calls[4] = 0.050   # block 1, first call: delayed ACKs during it, no steal
-    calls[6] = 0.045   # block 1, not the first call: ACKs say nothing about it
+    calls[6] = 0.045   # block 1, not the first call: its first call's ACKs say nothing about it
     calls[8] = 0.050   # block 2, first call, with steal in the block
     calls[10] = 0.021  # above 3x the median but not the median + 20 ms: no stall
     record = dict(calls_s=calls, calls_per_block=k, full_gc=[0.0, 1.0] + [0.0] * 10,
@@ -149,6 +149,12 @@ def test_sizes_puts_each_stalled_call_down_to_the_evidence_kept_for_it():
     assert sizes.stalled(calls) == [1, 4, 6, 8]
     assert sizes.stall_causes(record) == {"full_gc": 1, "steal": 1, "delayed_ack": 1, "unexplained": 1}
     assert sizes.stall_causes({"calls_s": calls, "calls_per_block": k}) == {}  # an older result
+    # Delayed ACKs during block 1's later calls account for its later stall; none in block 2's
+    # later calls leave its first call's cause (steal) as it was.
+    later = dict(record, later_calls_delayed_acks=[5.0, 1.0, 0.0])
+    assert sizes.stall_causes(later) == {"full_gc": 1, "steal": 1, "delayed_ack": 2, "unexplained": 0}
+    assert sizes.stall_causes(dict(record, later_calls_delayed_acks=[0.0, 0.0, 7.0])) == \
+        sizes.stall_causes(record)
 
     rows = [dict(_row("allgather", 1 << 20, 1.0), qcoll_stalls=4, torch_stalls=0,
                  qcoll_stall_causes=sizes.stall_causes(record), torch_stall_causes={})]
