@@ -85,13 +85,14 @@ def stall_causes(d: dict) -> dict:
     counts = dict.fromkeys(STALL_CAUSES, 0)
     for i in stalled(d["calls_s"]):
         block = i // k
+        # The delayed ACKs of the call's part of its block (None: a record from before the
+        # later calls' were kept).
+        acks = d["first_call_delayed_acks"] if i % k == 0 else d.get("later_calls_delayed_acks")
         if d["full_gc"][i]:
             cause = "full_gc"
         elif d["block_steal_s"][block] >= STEAL_EVIDENCE_S:
             cause = "steal"
-        elif i % k == 0 and d["first_call_delayed_acks"][block] > 0:
-            cause = "delayed_ack"
-        elif i % k and d.get("later_calls_delayed_acks", [0] * (block + 1))[block] > 0:
+        elif acks is not None and acks[block] > 0:
             cause = "delayed_ack"
         else:
             cause = "unexplained"

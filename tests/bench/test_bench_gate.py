@@ -149,12 +149,13 @@ def test_sizes_puts_each_stalled_call_down_to_the_evidence_kept_for_it():
     assert sizes.stalled(calls) == [1, 4, 6, 8]
     assert sizes.stall_causes(record) == {"full_gc": 1, "steal": 1, "delayed_ack": 1, "unexplained": 1}
     assert sizes.stall_causes({"calls_s": calls, "calls_per_block": k}) == {}  # an older result
-    # Delayed ACKs during block 1's later calls account for its later stall; none in block 2's
-    # later calls leave its first call's cause (steal) as it was.
+    # Delayed ACKs during block 1's later calls account for its later stall (call 6).
     later = dict(record, later_calls_delayed_acks=[5.0, 1.0, 0.0])
     assert sizes.stall_causes(later) == {"full_gc": 1, "steal": 1, "delayed_ack": 2, "unexplained": 0}
-    assert sizes.stall_causes(dict(record, later_calls_delayed_acks=[0.0, 0.0, 7.0])) == \
-        sizes.stall_causes(record)
+    # Each part of a block answers for its own calls: with ACKs only during block 1's later
+    # calls, its first call's stall (call 4) is unexplained and call 6's is theirs.
+    apart = dict(record, first_call_delayed_acks=[0.0, 0.0, 2.0], later_calls_delayed_acks=[0.0, 4.0, 0.0])
+    assert sizes.stall_causes(apart) == {"full_gc": 1, "steal": 1, "delayed_ack": 1, "unexplained": 1}
 
     rows = [dict(_row("allgather", 1 << 20, 1.0), qcoll_stalls=4, torch_stalls=0,
                  qcoll_stall_causes=sizes.stall_causes(record), torch_stall_causes={})]
