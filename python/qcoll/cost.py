@@ -16,8 +16,9 @@ a prediction is of a repeated call (the first call of a signature on CPU also ex
 
 Calibration: the rates above miss what a whole call adds on a real machine (the
 transport's own algorithms, processes sharing cores, copies). So the probe also times the
-calls themselves, each collective uncompressed and quantized with its default formats on each
-path (flat, 2-hop), at two or more sizes (bf16), and keeps per (collective, kind) the
+calls themselves, each collective uncompressed (the all-reduce on both of its host paths) and
+quantized with its default formats on each path (flat, 2-hop), at two or more sizes (bf16),
+and keeps per (collective, kind) the
 measured points (model's estimate -> measured time): a prediction runs through them
 (Calibration), and the line fitted to them stands for a model loaded without its points.
 Models given without calibration use the rates alone.
@@ -73,16 +74,21 @@ _REPEATS = 3
 # the suite checks predictions away from the measured points. From 2 MB, 18 of the suite's
 # 19 misses were at 1 MB, predicted from the 2 MB point down without the small calls' fixed
 # cost; from 512 KB 5 and 9 (134 and 132 of 144 within 20%, against 125), the probe 7.4-8.1 s
-# against 6.7-7.7 (auto-cpu.json, 2026-12-02; on 11-26 the extra point had cost the large sizes
+# against 6.7-7.7 (auto-cpu-90c34cf.json, 2026-12-02; on 11-26 the extra point had cost the large sizes
 # their budget: auto-cpu-calibration-v6.json, before the sizes went in rounds).
 _CALIBRATION_START, _CALIBRATION_MAX = 512 << 10, 32 << 20
 _CALIBRATION_TARGET_S = 0.1
-_CALIBRATION_REPEATS = 7  # timed calls per size (their median): small calls are bimodal
+_CALIBRATION_REPEATS = 7  # timed calls per size (_cost_probe.typical_time; more for short calls)
 _CALIBRATION_DTYPE = torch.bfloat16
 # The kinds of call each collective calibrates (CostModel.kind): every path auto weighs.
+# The bits=None all-reduce of host bf16/fp16 tensors switches path at
+# policy.UNQUANTIZED_EXCHANGE_MIN_BYTES: its calls from there are calibrated apart
+# ("uncompressed exchange"), each path at every size (policy.host_all_reduce_path). As one
+# kind, the 1 MB calls (the exchange) were predicted through a 512 KB point of the other
+# path, in one auto run at half their time (bench/results/auto-cpu-9ee9638-tm.json).
 KINDS = {"allgather": ("uncompressed", "quantized"),
          "reduce_scatter": ("uncompressed", "quantized 2-hop", "quantized flat"),
-         "all_reduce": ("uncompressed", "quantized 2-hop", "quantized flat")}
+         "all_reduce": ("uncompressed", "uncompressed exchange", "quantized 2-hop", "quantized flat")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +227,7 @@ class CostModel:
 
     intra / inter: the tiers' Links (None where the group has no such peers);
     kernels: format name (qcoll's, or "raw") -> KernelRate; source: "probe", "user" or the
-    file it was loaded from; calibration: "<collective>/<kind>" (CostModel.kind) ->
+    file it was loaded from; calibration: "<collective>/<kind>" (CostModel.calibration_key) ->
     Calibration (keys missing: the rates' estimate as it is)."""
 
     world: int
@@ -307,8 +313,18 @@ class CostModel:
         if not isinstance(policy, want):
             raise TypeError(f"policy must be a qcoll.{want.__name__} for {collective!r}, got {type(policy).__name__}")
         p = self.estimate(collective, numel, dtype, policy)
-        cal = self.calibration.get(f"{collective}/{self.kind(collective, policy)}")
+        cal = self.calibration.get(self.calibration_key(collective, numel, dtype, policy))
         return p if cal is None else dataclasses.replace(p, seconds=cal.apply(p.estimate_s))
+
+    def calibration_key(self, collective: str, numel: int, dtype: torch.dtype, policy) -> str:
+        """"<collective>/<kind>" of the calibration a call's prediction runs through: its
+        kind, the bits=None all-reduce of host bf16/fp16 tensors by the path it takes
+        (see KINDS)."""
+        kind = self.kind(collective, policy)
+        if (collective == "all_reduce" and policy.unquantized and self.device == "cpu"
+                and unquantized_host_all_reduce(dtype.itemsize, numel) == "exchange"):
+            kind = "uncompressed exchange"
+        return f"{collective}/{kind}"
 
     def kind(self, collective: str, policy) -> str:
         """The call's kind, which its calibration is by: "uncompressed", "quantized" (an

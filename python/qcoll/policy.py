@@ -29,6 +29,8 @@ Default decisions (entry points that documented different defaults before the po
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Optional, Union
@@ -211,11 +213,35 @@ class AllReducePolicy(_Policy):
 UNQUANTIZED_EXCHANGE_MIN_BYTES = 1 << 20
 
 
+HOST_ALL_REDUCE_PATHS = ("transport", "exchange")
+_forced_host_path: contextvars.ContextVar = contextvars.ContextVar("qcoll_host_all_reduce_path", default=None)
+
+
 def unquantized_host_all_reduce(itemsize: int, numel: int) -> str:
     """The path of a bits=None all-reduce of host tensors: "transport" or "exchange" (above)."""
-    if itemsize == 4 or numel * itemsize < UNQUANTIZED_EXCHANGE_MIN_BYTES:
+    if itemsize == 4:
         return "transport"
-    return "exchange"
+    forced = _forced_host_path.get()
+    if forced is not None:
+        return forced
+    return "transport" if numel * itemsize < UNQUANTIZED_EXCHANGE_MIN_BYTES else "exchange"
+
+
+@contextlib.contextmanager
+def host_all_reduce_path(path: Optional[str]):
+    """Within it, in this context (a context variable: threads started inside do not see
+    it), every bits=None all-reduce of host values other than fp32 takes `path` whatever its
+    size, and the cost model prices that path (None: by size, as always). For the cost
+    probe, which times both paths at every size it calibrates so that a prediction near
+    the switch runs through points of its own path, and for tests: policy="auto" keeps
+    its decisions by call description, not by this path."""
+    if path is not None and path not in HOST_ALL_REDUCE_PATHS:
+        raise ValueError(f"path must be one of {HOST_ALL_REDUCE_PATHS} or None, got {path!r}")
+    token = _forced_host_path.set(path)
+    try:
+        yield
+    finally:
+        _forced_host_path.reset(token)
 
 
 # An all-reduce of host tensors whose numel is not a multiple of the group size either pads

@@ -207,15 +207,32 @@ def test_calibration_runs_through_its_points():
             Calibration(0.0, 1.0, bad)
 
 
+def test_typical_time_is_the_mean_of_the_middle_calls():
+    # A bimodal short call (modes 4 and 9 ms) with two stalls: the fastest fifth and the
+    # slowest quarter dropped, the rest averaged, in any order; stalls of any length alike.
+    from qcoll._cost_probe import typical_time
+
+    times = [9, 4, 45, 9, 4, 9, 4, 9, 45, 4, 9]
+    assert typical_time(times) == pytest.approx((4 + 4 + 9 + 9 + 9 + 9) / 6)
+    assert typical_time([450 if t == 45 else t for t in times]) == pytest.approx(typical_time(times))
+    assert typical_time([5, 1, 2, 3, 4, 40, 50]) == pytest.approx((2 + 3 + 4 + 5) / 4)  # 7: 1, 40 and 50 dropped
+    assert typical_time([3.0, 1.0, 100.0]) == 3.0  # under five (long calls): the median
+
+
+def _scripted_estimates(collective, group, model, calls, nbytes):
+    """The scripted calibrations' estimates: 0.1 ns per byte (growing as the bytes do)."""
+    return [nbytes * 1e-10] * len(calls)
+
+
 # The scripted calibrations below start at 2 MB (the probe's own start is smaller:
 # test_calibration_default_sizes), so that their sizes read 2, 8, 32 MB.
 SCRIPTED_START = 2 << 20
 
 
-def _calibrate_scripted(monkeypatch, slower):
-    """The calibration over scripted medians of 1 ns per byte, x slower(collective, bytes,
+def _calibrate_scripted(monkeypatch, slower, estimates=None):
+    """The calibration over scripted points of 1 ns per byte, x slower(collective, bytes,
     how many times that size was measured so far, this one included), every rank's values
-    its own: (the medians asked for as (collective, bytes, repeats), the calibration)."""
+    its own: (the points asked for as (collective, bytes, repeats), the calibration)."""
     from qcoll import _cost_probe
 
     seen = []
@@ -224,16 +241,17 @@ def _calibrate_scripted(monkeypatch, slower):
         seen.append((collective, nbytes, repeats))
         count = sum(1 for c, b, _ in seen if (c, b) == (collective, nbytes))
         t = nbytes * 1e-9 * slower(collective, nbytes, count)
-        return [nbytes * 1e-10] * len(policies), [t] * len(policies)
+        return (estimates or _scripted_estimates)(collective, group, model, policies, nbytes), [t] * len(policies)
 
-    monkeypatch.setattr(_cost_probe, "_calibration_medians", medians)
+    monkeypatch.setattr(_cost_probe, "_calibration_times", medians)
+    monkeypatch.setattr(_cost_probe, "_estimates", estimates or _scripted_estimates)
     monkeypatch.setattr(_cost_probe, "agreed_max", lambda group, values, device: values)
     monkeypatch.setattr(_cost_probe.cm, "_CALIBRATION_START", SCRIPTED_START)
     return seen, _cost_probe._calibration(None, synthetic(), torch.device("cpu"), time.monotonic() + 60)
 
 
 def test_calibration_measures_a_jump_again_and_keeps_the_faster(monkeypatch):
-    # Scripted medians: time = 1 ns per byte, except the first 8 MB measurement of the
+    # Scripted points: time = 1 ns per byte, except the first 8 MB measurement of the
     # all-gather, 10x (a burst of other load): measured again, the faster (second) kept; the
     # reduce-scatter's 8 MB at 7x, then 9x: the faster (first) kept. A real jump (the
     # all-reduce's 8 MB at 2x per byte) is measured again too, and stays.
@@ -260,8 +278,42 @@ def test_calibration_measures_a_jump_again_and_keeps_the_faster(monkeypatch):
         [b * 1e-9 * (2 if b >= 8 * mb else 1) for b in sizes])
 
 
+def _fixed_cost(nbytes):
+    """A call of 5 ms + 2.5 ns per byte (2 MB: 10.2 ms, 8 MB: 26 ms, 32 MB: 89 ms): its time
+    grows 2.5x from 2 to 8 MB and 3.4x from 8 to 32, not the bytes' 4x."""
+    return 5e-3 + 2.5e-9 * nbytes
+
+
+def _fixed_cost_estimates(collective, group, model, calls, nbytes):
+    return [_fixed_cost(nbytes) / 10] * len(calls)
+
+
+def test_calibration_measures_again_a_point_grown_past_its_estimate(monkeypatch):
+    # Estimates with a fixed cost (2.5x from 2 to 8 MB). The all-gather's first 8 MB point
+    # grows 4x from its 2 MB one (1.0x per byte: no jump against the bytes, 1.6x past its
+    # estimate's growth: past _JUMP): measured again, the faster (second, as its estimate)
+    # kept. The reduce-scatter's 8 MB grows 1.4x past its estimate's (within _JUMP): once.
+    mb = 1 << 20
+
+    def slower(collective, nbytes, count):  # x 1 ns per byte
+        t = _fixed_cost(nbytes)
+        if nbytes == 8 * mb and collective == "allgather" and count == 1:
+            t = 4 * _fixed_cost(2 * mb)
+        elif nbytes == 8 * mb and collective == "reduce_scatter":
+            t *= 1.4
+        return t / (nbytes * 1e-9)
+
+    seen, cal = _calibrate_scripted(monkeypatch, slower, _fixed_cost_estimates)
+    at_8mb = [c for c, b, _ in seen if b == 8 * mb]
+    assert at_8mb.count("allgather") == 2 and at_8mb.count("reduce_scatter") == 1, seen
+    assert [m for _, m in cal["allgather/uncompressed"].points][:2] == pytest.approx(
+        [_fixed_cost(2 * mb), _fixed_cost(8 * mb)])
+    assert [m for _, m in cal["reduce_scatter/uncompressed"].points][:2] == pytest.approx(
+        [_fixed_cost(2 * mb), 1.4 * _fixed_cost(8 * mb)])
+
+
 def test_calibration_measures_a_disturbed_size_before_again(monkeypatch):
-    # Scripted medians, 1 ns per byte, except at 2 MB: the all-gather's first measurement
+    # Scripted points, 1 ns per byte, except at 2 MB: the all-gather's first measurement
     # at 5x per byte (the host busy at the probe's start), its second at 1x: measured again
     # once the 8 MB point shows it, the faster kept. The reduce-scatter's 2 MB at 2x per byte
     # (fixed cost, within _SLOWER_BEFORE): not measured again. The all-reduce's 2 MB at 3x
@@ -284,8 +336,8 @@ def test_calibration_measures_a_disturbed_size_before_again(monkeypatch):
 def test_calibration_compares_a_size_with_the_size_before_corrected(monkeypatch):
     # The all-gather's 2 MB first at 5x per byte (disturbed), then 1x; its 8 MB at 1.6x per
     # byte both times (a real jump, past _JUMP only against the corrected 2 MB): the 2 MB
-    # point measured again (with its own 7 timed calls), then the 8 MB one, both kept as
-    # measured the second time.
+    # point measured again (with its own 11 timed calls: the first size's calls are short),
+    # then the 8 MB one (7: forecast past _SHORT_CALL_S), both kept as measured the second time.
     def slower(collective, nbytes, count):
         if collective == "allgather" and nbytes == 2 << 20:
             return 5 if count == 1 else 1
@@ -294,7 +346,7 @@ def test_calibration_compares_a_size_with_the_size_before_corrected(monkeypatch)
     seen, cal = _calibrate_scripted(monkeypatch, slower)
     mb = 1 << 20
     assert [x for x in seen if x[0] == "allgather"][:4] == [
-        ("allgather", 2 * mb, 7), ("allgather", 8 * mb, 7), ("allgather", 2 * mb, 7), ("allgather", 8 * mb, 7)]
+        ("allgather", 2 * mb, 11), ("allgather", 8 * mb, 7), ("allgather", 2 * mb, 11), ("allgather", 8 * mb, 7)]
     assert [m for _, m in cal["allgather/uncompressed"].points][:2] == pytest.approx([2e-9 * mb, 1.6 * 8e-9 * mb])
 
 
@@ -310,13 +362,14 @@ def test_calibration_stops_at_the_budget_with_one_point(monkeypatch):
         seen.append((collective, nbytes))
         return [nbytes * 1e-10] * len(policies), [nbytes * 1e-9 * (1 + i) for i in range(len(policies))]
 
-    monkeypatch.setattr(_cost_probe, "_calibration_medians", medians)
+    monkeypatch.setattr(_cost_probe, "_calibration_times", medians)
+    monkeypatch.setattr(_cost_probe, "_estimates", _scripted_estimates)
     monkeypatch.setattr(_cost_probe, "agreed_max", lambda group, values, device: values)
     monkeypatch.setattr(_cost_probe.cm, "_CALIBRATION_START", SCRIPTED_START)
     cal = _cost_probe._calibration(None, synthetic(), torch.device("cpu"), time.monotonic() - 1)
     first = 2 << 20
     assert seen == [("allgather", first), ("reduce_scatter", first), ("all_reduce", first)]
-    assert len(cal) == 2 + 3 + 3
+    assert len(cal) == 2 + 3 + 4  # the all-reduce's bits=None call on both host paths
     for c in cal.values():
         (e, m), = c.points
         assert c.apply(4 * e) == pytest.approx(4 * m)
@@ -332,11 +385,12 @@ class _Clock:
         return self.now
 
 
-def _scripted_calibration(monkeypatch, budget, slower=lambda collective, nbytes: 1, start=SCRIPTED_START):
+def _scripted_calibration(monkeypatch, budget, slower=lambda collective, nbytes: 1, start=SCRIPTED_START,
+                          estimates=_scripted_estimates):
     """The calibration over scripted calls of 10 ns per byte (2 MB: 21 ms, 8 MB: 84 ms,
     32 MB: 336 ms; x slower(collective, bytes)), each size's warm-up and timed calls
-    advancing a fake clock: (calls measured as (collective, bytes, repeats), calibration,
-    seconds the clock advanced)."""
+    advancing a fake clock, the model's estimates from `estimates` (as _cost_probe's):
+    (calls measured as (collective, bytes, repeats), calibration, seconds the clock advanced)."""
     from qcoll import _cost_probe
 
     clock = _Clock()
@@ -346,10 +400,11 @@ def _scripted_calibration(monkeypatch, budget, slower=lambda collective, nbytes:
         t = nbytes * 1e-8 * slower(collective, nbytes)
         clock.now += len(policies) * (repeats + 1) * t
         seen.append((collective, nbytes, repeats))
-        return [nbytes * 1e-10] * len(policies), [t] * len(policies)
+        return estimates(collective, group, model, policies, nbytes), [t] * len(policies)
 
     with monkeypatch.context() as mp:
-        mp.setattr(_cost_probe, "_calibration_medians", medians)
+        mp.setattr(_cost_probe, "_calibration_times", medians)
+        mp.setattr(_cost_probe, "_estimates", estimates)
         mp.setattr(_cost_probe, "agreed_max", lambda group, values, device: values)
         mp.setattr(_cost_probe.time, "monotonic", clock.monotonic)
         mp.setattr(_cost_probe.cm, "_CALIBRATION_START", start)
@@ -375,24 +430,43 @@ def test_calibration_rounds_end_within_the_budget(monkeypatch):
         for c in order:
             assert sizes[c] == [(2 << 20) * 4 ** i for i in range(len(sizes[c]))], sizes  # 2, 8, 32 MB
             assert all(len(v.points) == len(sizes[c]) for k, v in cal.items() if k.startswith(c + "/"))
-        # 7 timed calls per kind while calls are short; 3 at 32 MB (forecast 4 x 84 ms >= 0.25 s).
-        assert all(r == (3 if b == 32 << 20 else 7) for _, b, r in seen)
+        # 11 timed calls per kind at the first size (nothing measured yet: taken as short), 7 at
+        # 8 MB (forecast 4 x 21 ms, past _SHORT_CALL_S), 3 at 32 MB (4 x 84 ms >= _LONG_CALL_S).
+        assert all(r == {2 << 20: 11, 8 << 20: 7, 32 << 20: 3}[b] for _, b, r in seen)
         points.append(len(seen))
     assert sizes == {c: [2 << 20, 8 << 20, 32 << 20] for c in order}  # 60 s: every size
     assert points == sorted(points) and points[0] == 3 and len(set(points)) >= 3, points
 
 
-@pytest.mark.parametrize("budget, sizes", [(12.0, (3, 2, 2)), (16.0, (3, 3, 2))])
+@pytest.mark.parametrize("budget, sizes", [(13.0, (3, 2, 2)), (18.0, (3, 3, 2))])
 def test_calibration_forecast_counts_the_timed_calls(monkeypatch, budget, sizes):
-    # By hand, the scripted calls' clock: the first two rounds end at 6.71 s; at 32 MB each
-    # kind times 3 calls, not 7, so the forecast is the 8 MB step's time x 6 x 4/8: the
-    # all-gather's 1.34 s -> 4.03 (ends at 10.74), then the others' 2.01 s -> 6.04 each (the
-    # reduce-scatter, after the all-gather's 2.68 s: ends at 15.44; the all-reduce: 19.47).
-    # Counting 8 calls (x 6 alone) would leave the all-gather out at 12 s.
+    # By hand, the scripted calls' clock (2, 3 and 4 kinds: the all-reduce's bits=None call
+    # on both host paths): the first round (11 timed calls a kind) ends at 2.26 s, the
+    # second (7) at 8.30 s; at 32 MB each kind times 3 calls, not 7, so the forecast is the
+    # 8 MB step's time x 6 x 4/8: the all-gather's 1.34 s -> 4.03 (ends at 12.33), the
+    # reduce-scatter's 2.01 s -> 6.04 (after the all-gather's 2.68 s: ends at 17.03), the
+    # all-reduce's 2.68 s -> 8.05 (after the reduce-scatter's 4.03 s: ends at 23.07).
+    # Counting 8 calls (x 6 alone) would leave the all-gather out at 13 s.
     seen, _, elapsed = _scripted_calibration(monkeypatch, budget)
     got = tuple(len([b for c, b, _ in seen if c == collective])
                 for collective in ("allgather", "reduce_scatter", "all_reduce"))
     assert got == sizes and elapsed <= budget, (got, elapsed)
+
+
+@pytest.mark.parametrize("estimates, sizes", [(_fixed_cost_estimates, (3, 3, 3)), (_scripted_estimates, (3, 3, 2))])
+def test_calibration_forecast_grows_with_the_estimate(monkeypatch, estimates, sizes):
+    # Calls of 5 ms + 2.5 ns per byte (_fixed_cost), within an 11 s budget. By hand: the
+    # first two rounds (11, then 7 timed calls a kind) end at 2.98 s and the all-gather's and
+    # reduce-scatter's 32 MB steps at 6.54 s. The all-reduce's 32 MB step (2.85 s), forecast
+    # from its 8 MB one (0.83 s) x 1.5, x the estimate's growth (3.4x): 4.27 s, ends at 10.8;
+    # x the bytes' (estimates that grow as the bytes do): 4.99 s, past the budget.
+    def slower(collective, nbytes):
+        return _fixed_cost(nbytes) / (nbytes * 1e-8)
+
+    seen, _, elapsed = _scripted_calibration(monkeypatch, 11.0, slower, estimates=estimates)
+    got = tuple(len([b for c, b, _ in seen if c == collective])
+                for collective in ("allgather", "reduce_scatter", "all_reduce"))
+    assert got == sizes and elapsed <= 11.0, (got, elapsed)
 
 
 def test_calibration_default_sizes(monkeypatch):
@@ -410,12 +484,12 @@ def test_calibration_default_sizes(monkeypatch):
 
 
 def test_calibration_measures_again_only_within_the_budget(monkeypatch):
-    # The all-reduce's 8 MB calls at 10x per byte (a jump): its step takes 20.1 s and ends
-    # at 24.8 s; measured again (another 20.1 s) within a 60 s budget, not within 30 s.
+    # The all-reduce's 8 MB calls at 10x per byte (a jump): its step (4 kinds) takes 26.8 s
+    # and ends at 32.5 s; measured again (another 26.8 s) within a 70 s budget, not within 40 s.
     def slower(collective, nbytes):
         return 10 if (collective, nbytes) == ("all_reduce", 8 << 20) else 1
 
-    for budget, times in ((60.0, 2), (30.0, 1)):
+    for budget, times in ((70.0, 2), (40.0, 1)):
         seen, _, elapsed = _scripted_calibration(monkeypatch, budget, slower)
         assert [c for c, b, _ in seen if b == 8 << 20].count("all_reduce") == times, seen
         assert elapsed <= budget
@@ -446,6 +520,39 @@ def test_calibration_applies_per_collective_and_kind():
         Calibration(0.0, 0.0)
     with pytest.raises(ValueError, match="Calibration.offset"):
         Calibration(-1.0, 1.0)
+
+
+def test_bits_none_all_reduce_calibrated_by_its_host_path():
+    # A bf16 bits=None all-reduce of host tensors from 1 MB takes the exchange, below it the
+    # transport's all-reduce of fp32 copies (fp32: always): each runs through its own
+    # points, so a 1 MB prediction is not scaled from a 512 KB point of the other path.
+    from qcoll.policy import UNQUANTIZED_EXCHANGE_MIN_BYTES, host_all_reduce_path
+
+    m = synthetic()
+    bits_none, quantized = AllReducePolicy(bits=None), AllReducePolicy()
+    small, large = UNQUANTIZED_EXCHANGE_MIN_BYTES // 2 - 1, UNQUANTIZED_EXCHANGE_MIN_BYTES // 2  # bf16 numel
+    key = lambda numel, dtype=torch.bfloat16, policy=bits_none, model=m: model.calibration_key(
+        "all_reduce", numel, dtype, policy)
+    assert key(small) == "all_reduce/uncompressed" and key(large) == "all_reduce/uncompressed exchange"
+    assert key(1 << 24, torch.float32) == "all_reduce/uncompressed"
+    assert key(large, policy=quantized) == "all_reduce/quantized 2-hop"
+    gpu = CostModel(m.world, m.node_size, "cuda", m.intra, m.inter, m.kernels)
+    assert key(large, model=gpu) == "all_reduce/uncompressed"  # no host paths on a GPU
+    with host_all_reduce_path("exchange"):
+        assert key(small) == "all_reduce/uncompressed exchange"
+    with host_all_reduce_path("transport"):
+        assert key(large) == "all_reduce/uncompressed"
+    assert key(large) == "all_reduce/uncompressed exchange"  # the context left: by size again
+    with pytest.raises(ValueError, match="path must be one of"):
+        with host_all_reduce_path("ring"):
+            pass
+
+    # Predictions run through each path's own points: 2x and 5x the estimate.
+    cal = {"all_reduce/uncompressed": Calibration(0.0, 2.0), "all_reduce/uncompressed exchange": Calibration(0.0, 5.0)}
+    calibrated = CostModel(m.world, m.node_size, m.device, m.intra, m.inter, m.kernels, calibration=cal)
+    for numel, scale in ((small, 2.0), (large, 5.0)):
+        raw = m.predict("all_reduce", numel, torch.bfloat16, bits_none).seconds
+        assert calibrated.predict("all_reduce", numel, torch.bfloat16, bits_none).seconds == pytest.approx(scale * raw)
 
 
 def test_checks():
@@ -537,9 +644,10 @@ def test_probe_bounded_agreed_cached():
         for bits, (stats_bytes, predicted) in counted.items():
             assert stats_bytes == predicted, (bits, stats_bytes, predicted)
     assert first["inter"]["bandwidth"] > 0 and first["intra"]["latency"] > 0
-    # Every collective's two kinds calibrated from whole calls.
+    # Every collective's kinds calibrated from whole calls, the all-reduce's bits=None call
+    # on both host paths.
     assert sorted(first["calibration"]) == sorted(
-        ["allgather/uncompressed", "allgather/quantized"]
+        ["allgather/uncompressed", "allgather/quantized", "all_reduce/uncompressed exchange"]
         + [f"{c}/{k}" for c in ("reduce_scatter", "all_reduce") for k in ("uncompressed", "quantized 2-hop", "quantized flat")])
 
 
@@ -565,7 +673,7 @@ def _probe_with_a_fast_clock(rank, world, budget):
 def test_probe_sizes_agreed_when_clocks_disagree():
     models = run_ranks(4, _probe_with_a_fast_clock, 3.0, timeout=180)
     assert all(m == models[0] for m in models)
-    assert models[0]["source"] == "probe" and len(models[0]["calibration"]) == 8
+    assert models[0]["source"] == "probe" and len(models[0]["calibration"]) == 9
 
 
 def _disagree(rank, world, models, path):

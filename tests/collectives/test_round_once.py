@@ -57,14 +57,15 @@ def _worker(rank, world, node_size, dtype, n, ar_numels, tail_apart):
         report[f"rs {op} stats"] = qcoll.stats()["reduce_scatter"]
         for numel in ar_numels:
             xs = _inputs(world, numel, dtype)
-            # Below 1 MB the fp32 all-reduce, from it the exchange: each forced here.
-            for path, threshold in (("fp32", 1 << 40), ("exchange", 0)):
-                qcoll.policy.UNQUANTIZED_EXCHANGE_MIN_BYTES = threshold
-                if path == "exchange":  # its bytes below: a call whose signature is checked
-                    qcoll.quantized_all_reduce(xs[rank].clone(), g, op=op, bits=None)
-                x = xs[rank].clone()
-                qcoll.reset_stats()
-                qcoll.quantized_all_reduce(x, g, op=op, bits=None)
+            # Below 1 MB the fp32 all-reduce, from it the exchange: each forced here, as the
+            # cost probe forces them (its bytes below tell the path taken).
+            for path, forced in (("fp32", "transport"), ("exchange", "exchange")):
+                with qcoll.policy.host_all_reduce_path(forced):
+                    if path == "exchange":  # its bytes below: a call whose signature is checked
+                        qcoll.quantized_all_reduce(xs[rank].clone(), g, op=op, bits=None)
+                    x = xs[rank].clone()
+                    qcoll.reset_stats()
+                    qcoll.quantized_all_reduce(x, g, op=op, bits=None)
                 report[f"ar-{path} {numel} {op}"] = over_half_ulp(x, xs, div)
                 report[f"ar-{path} {numel} {op} result"] = x
                 report[f"ar-{path} {numel} {op} stats"] = qcoll.stats()["all_reduce"]
