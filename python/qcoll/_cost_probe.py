@@ -55,13 +55,13 @@ _SLOWER_BEFORE = 2.2
 _GROWTH = 4 * _JUMP
 # Timed calls per kind at a size where a call should take _LONG_CALL_S or more (the size
 # before's slowest point x the estimate's growth): such calls are not bimodal, and at 7
-# the 32 MB sizes took most of the budget. (With this threshold at 0.1 s the 8 MB points at 1 Gbit/s were medians of
-# 3, and in that run two kinds' points crossed: auto-cpu-probe-rounds-v1.json.)
+# the 32 MB sizes took most of the budget. (With this threshold at 0.1 s the 8 MB points at
+# 1 Gbit/s were medians of 3, and in that run two kinds' points crossed:
+# auto-cpu-probe-rounds-v1.json.)
 _LONG_CALL_S = 0.25
 _LONG_CALL_REPEATS = 3
 # Timed calls per kind where a call should take under _SHORT_CALL_S (forecast as above; the
-# first size always): with more ranks than cores such calls are bimodal,
-# and seven of them put a 512 KB or 2 MB point anywhere between the modes (bench/results/
+# first size always): with more ranks than cores such calls are bimodal, and seven of them put a 512 KB or 2 MB point anywhere between the modes (bench/results/
 # probe-calibration-statistic-cpu.txt: 2 x 2 and 3 x 2 at three links, four rounds).
 _SHORT_CALL_S = 0.02
 _SHORT_CALL_REPEATS = 11
@@ -72,9 +72,10 @@ def typical_time(times: list) -> float:
     fastest fifth and the slowest quarter dropped (the slow tail holds the stalls: a TCP
     delayed ACK, the host taking the core); the median under five. The mean, not the
     median, because a bimodal call's typical cost is its average over back-to-back calls, as
-    a training step or the auto suite's turns of calls see it: in probe-calibration-statistic-cpu.txt the
-    1 MB prediction from the 512 KB and 2 MB points, this way, missed the suite's measure by
-    over 20% in 8 of 120 cases, by the median of seven in 36."""
+    a training step or the auto suite's turns of calls see it: in bench/results/
+    probe-calibration-statistic-cpu.txt the 1 MB prediction from the 512 KB and 2 MB points,
+    this way, missed the suite's measure by over 20% in 8 of 120 cases, by the median of
+    seven in 36."""
     ordered = sorted(times)
     n = len(ordered)
     if n < 5:
@@ -255,16 +256,16 @@ def _estimates(collective: str, group, model: cm.CostModel, calls: list, nbytes:
     return out
 
 
-def _calibration_times(collective: str, group, model: cm.CostModel, calls: list, nbytes: int,
-                       device: torch.device, repeats: int) -> tuple:
-    """(estimates, measured): per call (CALIBRATED's (policy, path)), the model's estimate of
-    a call of `nbytes` and the typical_time of `repeats` timed calls, the slowest rank's."""
+def _calibration_times(collective: str, group, calls: list, nbytes: int, device: torch.device,
+                       repeats: int) -> list:
+    """Per call (CALIBRATED's (policy, path)) of `nbytes`: the typical_time of `repeats`
+    timed calls, the slowest rank's."""
     measured = []
     for policy, path in calls:
         with host_all_reduce_path(path):
             fn = _collective_call(collective, group, nbytes, policy, device)
             measured.append(typical_time(_times(fn, device, repeats)))
-    return _estimates(collective, group, model, calls, nbytes), agreed_max(group, measured, device)
+    return agreed_max(group, measured, device)
 
 
 def _calibration_key(model: cm.CostModel, collective: str, call: tuple) -> str:
@@ -334,13 +335,14 @@ def _calibration(group, model: cm.CostModel, device: torch.device, deadline: flo
     while active:
         for collective in list(active):
             s = series[collective]
-            growth = s.growth(_estimates(collective, group, model, s.calls, nbytes)) if s.measured else 4.0
+            estimates = _estimates(collective, group, model, s.calls, nbytes)
+            growth = s.growth(estimates) if s.measured else 4.0
             if s.measured and not _fits(group, device, deadline, s.forecast_s(growth)):
                 active.remove(collective)
                 continue
             t0 = time.monotonic()
             repeats, before = s.repeats(growth), (s.step_s, s.step_repeats)
-            estimates, measured = _calibration_times(collective, group, model, s.calls, nbytes, device, repeats)
+            measured = _calibration_times(collective, group, s.calls, nbytes, device, repeats)
             s.step_s, s.step_repeats = time.monotonic() - t0, repeats
             if s.measured and not s.again[-1] \
                     and any(4 * p > _SLOWER_BEFORE * t for t, p in zip(measured, s.measured[-1])) \
@@ -348,8 +350,7 @@ def _calibration(group, model: cm.CostModel, device: torch.device, deadline: flo
                 # The size before far slower per byte than this one: that point, not this,
                 # was disturbed (unless it showed twice). It is measured again, the faster
                 # kept, before this size is compared with it.
-                again = _calibration_times(collective, group, model, s.calls, nbytes // 4, device,
-                                             before[1])[1]
+                again = _calibration_times(collective, group, s.calls, nbytes // 4, device, before[1])
                 s.measured[-1] = [min(a, b) for a, b in zip(s.measured[-1], again)]
                 s.again[-1] = True
             measured_again = False
@@ -357,7 +358,7 @@ def _calibration(group, model: cm.CostModel, device: torch.device, deadline: flo
                 # Grown far past its estimate from the size before: measured again, the faster
                 # kept. A lasting effect shows twice; a burst of other load on the host (seen
                 # once: 1.7x at 32 MB) does not, and a prediction runs through this point.
-                again = _calibration_times(collective, group, model, s.calls, nbytes, device, repeats)[1]
+                again = _calibration_times(collective, group, s.calls, nbytes, device, repeats)
                 measured, measured_again = [min(a, b) for a, b in zip(measured, again)], True
             s.estimates.append(estimates)
             s.measured.append(measured)

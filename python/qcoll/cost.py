@@ -18,9 +18,9 @@ Calibration: the rates above miss what a whole call adds on a real machine (the
 transport's own algorithms, processes sharing cores, copies). So the probe also times the
 calls themselves, each collective uncompressed (the all-reduce on both of its host paths) and
 quantized with its default formats on each path (flat, 2-hop), at two or more sizes (bf16),
-and keeps per (collective, kind) the
-measured points (model's estimate -> measured time): a prediction runs through them
-(Calibration), and the line fitted to them stands for a model loaded without its points.
+and keeps per (collective, kind) the measured points (model's estimate -> measured time): a
+prediction runs through them (Calibration), and the line fitted to them stands for a model
+loaded without its points.
 Models given without calibration use the rates alone.
 
 The probe is bounded: each measure grows its size by 4x from a small start and stops once a

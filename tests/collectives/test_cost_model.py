@@ -237,13 +237,13 @@ def _calibrate_scripted(monkeypatch, slower, estimates=None):
 
     seen = []
 
-    def medians(collective, group, model, policies, nbytes, device, repeats):
+    def times(collective, group, calls, nbytes, device, repeats):
         seen.append((collective, nbytes, repeats))
         count = sum(1 for c, b, _ in seen if (c, b) == (collective, nbytes))
         t = nbytes * 1e-9 * slower(collective, nbytes, count)
-        return (estimates or _scripted_estimates)(collective, group, model, policies, nbytes), [t] * len(policies)
+        return [t] * len(calls)
 
-    monkeypatch.setattr(_cost_probe, "_calibration_times", medians)
+    monkeypatch.setattr(_cost_probe, "_calibration_times", times)
     monkeypatch.setattr(_cost_probe, "_estimates", estimates or _scripted_estimates)
     monkeypatch.setattr(_cost_probe, "agreed_max", lambda group, values, device: values)
     monkeypatch.setattr(_cost_probe.cm, "_CALIBRATION_START", SCRIPTED_START)
@@ -358,11 +358,11 @@ def test_calibration_stops_at_the_budget_with_one_point(monkeypatch):
 
     seen = []
 
-    def medians(collective, group, model, policies, nbytes, device, repeats):
+    def times(collective, group, calls, nbytes, device, repeats):
         seen.append((collective, nbytes))
-        return [nbytes * 1e-10] * len(policies), [nbytes * 1e-9 * (1 + i) for i in range(len(policies))]
+        return [nbytes * 1e-9 * (1 + i) for i in range(len(calls))]
 
-    monkeypatch.setattr(_cost_probe, "_calibration_times", medians)
+    monkeypatch.setattr(_cost_probe, "_calibration_times", times)
     monkeypatch.setattr(_cost_probe, "_estimates", _scripted_estimates)
     monkeypatch.setattr(_cost_probe, "agreed_max", lambda group, values, device: values)
     monkeypatch.setattr(_cost_probe.cm, "_CALIBRATION_START", SCRIPTED_START)
@@ -396,14 +396,14 @@ def _scripted_calibration(monkeypatch, budget, slower=lambda collective, nbytes:
     clock = _Clock()
     seen = []
 
-    def medians(collective, group, model, policies, nbytes, device, repeats):
+    def times(collective, group, calls, nbytes, device, repeats):
         t = nbytes * 1e-8 * slower(collective, nbytes)
-        clock.now += len(policies) * (repeats + 1) * t
+        clock.now += len(calls) * (repeats + 1) * t
         seen.append((collective, nbytes, repeats))
-        return estimates(collective, group, model, policies, nbytes), [t] * len(policies)
+        return [t] * len(calls)
 
     with monkeypatch.context() as mp:
-        mp.setattr(_cost_probe, "_calibration_times", medians)
+        mp.setattr(_cost_probe, "_calibration_times", times)
         mp.setattr(_cost_probe, "_estimates", estimates)
         mp.setattr(_cost_probe, "agreed_max", lambda group, values, device: values)
         mp.setattr(_cost_probe.time, "monotonic", clock.monotonic)
