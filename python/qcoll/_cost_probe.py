@@ -214,9 +214,9 @@ CALIBRATED = {
 }
 
 
-def _per_rank(collective: str, world: int, total_bytes: int) -> tuple:
-    """(elements per rank, numel as predict takes it) of a calibration call of `total_bytes`
-    over `world` ranks."""
+def _per_rank(collective: str, group, total_bytes: int) -> tuple:
+    """(elements per rank, numel as predict takes it) of a calibration call of `total_bytes`."""
+    world = group.size
     per_rank = max(1, total_bytes // (world * cm._CALIBRATION_DTYPE.itemsize))
     return per_rank, (world * per_rank if collective == "all_reduce" else per_rank)
 
@@ -228,7 +228,7 @@ def _collective_call(collective: str, group, total_bytes: int, policy, device: t
     from .reduce_scatter import quantized_reduce_scatter
 
     dtype, world = cm._CALIBRATION_DTYPE, group.size
-    per_rank, _ = _per_rank(collective, world, total_bytes)
+    per_rank, _ = _per_rank(collective, group, total_bytes)
     if collective == "allgather":
         shard = torch.randn(per_rank, device=device).to(dtype)
         full = torch.empty(world * per_rank, dtype=dtype, device=device)
@@ -248,7 +248,7 @@ def _collective_call(collective: str, group, total_bytes: int, policy, device: t
 
 def _estimates(collective: str, group, model: cm.CostModel, calls: list, nbytes: int) -> list:
     """The model's estimate of each call (CALIBRATED's (policy, path)) of `nbytes`."""
-    _, numel = _per_rank(collective, model.world, nbytes)
+    _, numel = _per_rank(collective, group, nbytes)
     out = []
     for policy, path in calls:
         with host_all_reduce_path(path):
@@ -286,7 +286,6 @@ class _Series:
     step_s: float = 0.0
     step_repeats: int = 0
     again: list = dataclasses.field(default_factory=list)  # per size: measured twice already
-    sizes: list = dataclasses.field(default_factory=list)  # per size: numel as predict takes it
 
     def growth(self, estimates: list) -> float:
         """How much the model's estimate grows from the last size to one of `estimates`
@@ -364,7 +363,6 @@ def _calibration(group, model: cm.CostModel, device: torch.device, deadline: flo
             s.estimates.append(estimates)
             s.measured.append(measured)
             s.again.append(measured_again)
-            s.sizes.append(_per_rank(collective, model.world, nbytes)[1])
             if s.done(nbytes):
                 active.remove(collective)
         nbytes *= 4
@@ -372,7 +370,7 @@ def _calibration(group, model: cm.CostModel, device: torch.device, deadline: flo
     for collective, s in series.items():
         for i, c in enumerate(s.calls):
             out[_calibration_key(model, collective, c)] = cm.Calibration.fit(
-                [e[i] for e in s.estimates], [m[i] for m in s.measured], s.sizes)
+                [e[i] for e in s.estimates], [m[i] for m in s.measured])
     return out
 
 

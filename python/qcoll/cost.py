@@ -44,7 +44,7 @@ import json
 import os
 import time
 import weakref
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -158,15 +158,11 @@ class Calibration:
     along the fitted line's shape, scaled through the first point. A call's time is not one
     line over sizes on a real machine (caches, the transport's algorithms switching), and
     one line fitted to every point missed the largest calls by up to 45% (auto suite).
-    Without points: offset + scale x estimate, the line fitted to the points.
-    sizes: the numel of each point's call as predict takes it, where the probe measured
-    them (a quantized all-reduce above its last point grows as its halves do:
-    CostModel.predict); () where unknown (a model written by hand or by an older probe)."""
+    Without points: offset + scale x estimate, the line fitted to the points."""
 
     offset: float
     scale: float
     points: tuple = ()
-    sizes: tuple = ()
 
     def __post_init__(self):
         if isinstance(self.offset, bool) or not isinstance(self.offset, (int, float)) or not 0 <= self.offset < float("inf"):
@@ -181,28 +177,18 @@ class Calibration:
             raise ValueError("Calibration.points must be (estimate, measured) pairs of finite numbers > 0 "
                              f"by strictly rising estimate, got {points!r}")
         object.__setattr__(self, "points", tuple(tuple(p) for p in points))  # a file's lists, as tuples
-        sizes = self.sizes
-        if not isinstance(sizes, (tuple, list)) or (sizes and (
-                len(sizes) != len(points)
-                or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes))):
-            raise ValueError(f"Calibration.sizes must be () or one int > 0 per point, got {sizes!r}")
-        object.__setattr__(self, "sizes", tuple(sizes))
 
     @classmethod
-    def fit(cls, estimates: list, measured: list, sizes: Optional[list] = None) -> "Calibration":
+    def fit(cls, estimates: list, measured: list) -> "Calibration":
         """The line measured = offset + scale x estimate closest to the points in relative
         terms (least squares of (line - measured) / measured: every size counts alike, as
         the prediction's error does); where that needs a negative offset or slope (noise),
         the best line through the origin. With the points themselves, by rising estimate
-        (one size measured twice: their mean), which predictions run through, and their
-        `sizes` (numel per point, as predict takes it) where given."""
-        merged, size_of = {}, {}  # equal estimates (one size measured twice): their mean
-        for i, (e, m) in enumerate(zip(estimates, measured)):
+        (one size measured twice: their mean), which predictions run through."""
+        merged = {}  # equal estimates (one size measured twice): their mean
+        for e, m in zip(estimates, measured):
             merged.setdefault(e, []).append(m)
-            if sizes is not None:
-                size_of[e] = sizes[i]
         points = tuple((e, sum(ms) / len(ms)) for e, ms in sorted(merged.items()))
-        point_sizes = tuple(size_of[e] for e, _ in points) if sizes is not None else ()
         rows = [(1.0 / m, e / m) for e, m in zip(estimates, measured)]  # (offset, scale) weights
         saa = sum(a * a for a, _ in rows)
         sab = sum(a * b for a, b in rows)
@@ -212,8 +198,8 @@ class Calibration:
         if det > 1e-12 * saa * sbb:
             offset, scale = (sa * sbb - sb * sab) / det, (saa * sb - sab * sa) / det
             if offset >= 0 and scale > 0:
-                return cls(offset, scale, points, point_sizes)
-        return cls(0.0, sb / sbb, points, point_sizes)
+                return cls(offset, scale, points)
+        return cls(0.0, sb / sbb, points)
 
     def line(self, estimate: float) -> float:
         return self.offset + self.scale * estimate
@@ -332,28 +318,46 @@ class CostModel:
         if cal is None:
             return p
         seconds = cal.apply(p.estimate_s)
-        if collective == "all_reduce" and not policy.unquantized and cal.sizes and p.estimate_s > cal.points[-1][0]:
+        if collective == "all_reduce" and not policy.unquantized and cal.points and p.estimate_s > cal.points[-1][0]:
             # Above its last point a quantized all-reduce grows as its halves' calibrated
             # predictions do: it is its reduce-scatter then its all-gather (all_reduce.py),
             # and the probe's budget stops its own points first (at 2 MB on 1 Gbit/s links,
             # where its time grows 1.3x past its estimate from 8 MB, as the reduce-scatter's
             # own 8 and 32 MB points show: auto suite, 22-40% under by the last segment).
-            now = self._by_halves(numel, dtype, policy)
-            last = self._by_halves(cal.sizes[-1], _CALIBRATION_DTYPE, policy)
-            if now is not None and last is not None:
-                seconds = cal.points[-1][1] * now / last
+            seconds = self._above_points_by_halves(numel, dtype, policy, cal.points[-1]) or seconds
         return dataclasses.replace(p, seconds=seconds)
 
-    def _by_halves(self, numel: int, dtype: torch.dtype, policy: AllReducePolicy) -> Optional[float]:
+    def _above_points_by_halves(self, numel: int, dtype: torch.dtype, policy: AllReducePolicy,
+                                last_point: tuple) -> Optional[float]:
+        """A quantized all-reduce of `numel` above its calibration's last point: that point's
+        time x the growth of its halves' calibrated predictions from the call of this dtype
+        and policy whose estimate is the point's (so the prediction is continuous there,
+        whatever the policy: the point was measured with the probe's) to this one. None
+        where a half has no calibration or no such call exists."""
+        estimate, measured = last_point
+        step = self.world  # whole multiples of world: an uneven tail's cost would break monotony
+        lo, hi = 1, -(-numel // step)  # in steps; the estimate at hi is above the point's
+        if self.estimate("all_reduce", lo * step, dtype, policy).seconds > estimate:
+            return None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.estimate("all_reduce", mid * step, dtype, policy).seconds <= estimate:
+                lo = mid
+            else:
+                hi = mid
+        now, at_point = (self._halves_seconds(n, dtype, policy) for n in (numel, lo * step))
+        return None if now is None or at_point is None else measured * now / at_point
+
+    def _halves_seconds(self, numel: int, dtype: torch.dtype, policy: AllReducePolicy) -> Optional[float]:
         """A quantized all-reduce's time as its halves' calibrated predictions (and the
         uneven tail's estimate); None where a half has no calibration."""
-        reduce_scatter, all_gather, uneven, rs, gather = self._all_reduce_halves(numel, dtype, policy)
-        rs_cal = self.calibration.get(f"reduce_scatter/{self.kind('reduce_scatter', rs)}")
-        ag_cal = self.calibration.get("allgather/" + ("uncompressed" if gather is None else "quantized"))
+        halves = self._all_reduce_halves(numel, dtype, policy)
+        rs_cal = self.calibration.get(f"reduce_scatter/{self.kind('reduce_scatter', halves.rs_policy)}")
+        ag_cal = self.calibration.get("allgather/" + ("uncompressed" if halves.gather_format is None else "quantized"))
         if rs_cal is None or ag_cal is None:
             return None
-        return (rs_cal.apply(_sum(reduce_scatter).estimate_s) + ag_cal.apply(_sum(all_gather).estimate_s)
-                + _sum(uneven).estimate_s)
+        return (rs_cal.apply(_sum(halves.reduce_scatter).estimate_s) + ag_cal.apply(_sum(halves.all_gather).estimate_s)
+                + _sum(halves.uneven).estimate_s)
 
     def calibration_key(self, collective: str, numel: int, dtype: torch.dtype, policy) -> str:
         """"<collective>/<kind>" of the calibration a call's prediction runs through: its
@@ -469,13 +473,11 @@ class CostModel:
         return _pipeline(hops)
 
     def _all_reduce(self, numel: int, dtype, p: AllReducePolicy) -> list:
-        reduce_scatter, all_gather, uneven, _, _ = self._all_reduce_halves(numel, dtype, p)
-        return reduce_scatter + all_gather + uneven
+        halves = self._all_reduce_halves(numel, dtype, p)
+        return halves.reduce_scatter + halves.all_gather + halves.uneven
 
-    def _all_reduce_halves(self, numel: int, dtype, p: AllReducePolicy) -> tuple:
-        """(the reduce-scatter's parts, the all-gather's, what an uneven numel adds, the
-        reduce-scatter's policy, the all-gather's format) of an all-reduce as all_reduce.py
-        runs it."""
+    def _all_reduce_halves(self, numel: int, dtype, p: AllReducePolicy) -> "_AllReduceHalves":
+        """An all-reduce's parts as all_reduce.py runs it."""
         rs = p.reduce_scatter()
         raw_exchange = p.raw_exchange(dtype.itemsize)  # as all_reduce.py plans it
         uneven = []  # what a numel that is not a multiple of world adds (as all_reduce.py does it)
@@ -495,7 +497,18 @@ class CostModel:
         n = -(-numel // self.world)
         parts = self._reduce_scatter(n, dtype, rs, raw_exchange)
         gather = format_of(self._rs_plan(n, dtype, rs, raw_exchange).second_format)
-        return parts, self._all_gather(n, dtype, gather, p.group_size, ring=transport), uneven, rs, gather
+        return _AllReduceHalves(parts, self._all_gather(n, dtype, gather, p.group_size, ring=transport), uneven,
+                                rs, gather)
+
+
+class _AllReduceHalves(NamedTuple):
+    """An all-reduce's parts (each a list of _sum's tuples) and what its halves run with."""
+
+    reduce_scatter: list
+    all_gather: list
+    uneven: list  # what a numel that is not a multiple of world adds
+    rs_policy: ReduceScatterPolicy
+    gather_format: Optional[str]
 
 
 def _pipeline(hops: list) -> list:
