@@ -61,7 +61,8 @@ _GROWTH = 4 * _JUMP
 _LONG_CALL_S = 0.25
 _LONG_CALL_REPEATS = 3
 # Timed calls per kind where a call should take under _SHORT_CALL_S (forecast as above; the
-# first size always): with more ranks than cores such calls are bimodal, and seven of them put a 512 KB or 2 MB point anywhere between the modes (bench/results/
+# first size always): with more ranks than cores such calls are bimodal, and seven of them
+# put a 512 KB or 2 MB point anywhere between the modes (bench/results/
 # probe-calibration-statistic-cpu.txt: 2 x 2 and 3 x 2 at three links, four rounds).
 _SHORT_CALL_S = 0.02
 _SHORT_CALL_REPEATS = 11
