@@ -10,8 +10,9 @@ that tier while every rank of the group sends at once (so a node's shared uplink
 divided among its ranks, as in a real call), and the latency of one exchange (qcoll's own
 per-call cost included). Per code format a KernelRate: elements per second encoded and
 decoded by one rank while every rank runs the kernel ("raw": copy and fp32 add, what an
-unquantized hop costs). Bytes per hop come from the core's plans (one algorithm, one place);
-a prediction is of a repeated call (the first call of a signature on CPU also exchanges a
+unquantized hop costs). The overlap: how much of a pipelined call's overlapping steps the
+host hides (a CPU with no spare core for the lanes' second thread hides none). Bytes per
+hop come from the core's plans (one algorithm, one place); a prediction is of a repeated call (the first call of a signature on CPU also exchanges a
 32-byte call check with every peer).
 
 Calibration: the rates above miss what a whole call adds on a real machine (the
@@ -229,7 +230,9 @@ class CostModel:
     intra / inter: the tiers' Links (None where the group has no such peers);
     kernels: format name (qcoll's, or "raw") -> KernelRate; source: "probe", "user" or the
     file it was loaded from; calibration: "<collective>/<kind>" (CostModel.calibration_key) ->
-    Calibration (keys missing: the rates' estimate as it is)."""
+    Calibration (keys missing: the rates' estimate as it is); overlap: the fraction of the
+    shorter of two overlapping pipeline steps (a stage's inter-node hop beside the next
+    stage's intra-node hop) that runs hidden, 0 to 1 (the probe measures it: _cost_probe)."""
 
     world: int
     node_size: int
@@ -239,6 +242,7 @@ class CostModel:
     kernels: Mapping[str, KernelRate]
     source: str = "user"
     calibration: Mapping[str, Calibration] = dataclasses.field(default_factory=dict)
+    overlap: float = 1.0
 
     def __post_init__(self):
         for name in ("world", "node_size"):
@@ -259,6 +263,8 @@ class CostModel:
             if key not in keys or not isinstance(cal, Calibration):
                 raise ValueError(f"CostModel.calibration maps one of {sorted(keys)} to a qcoll.cost.Calibration; "
                                  f"got {key!r}: {cal!r}")
+        if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) or not 0 <= self.overlap <= 1:
+            raise ValueError(f"CostModel.overlap must be a number from 0 to 1, got {self.overlap!r}")
         missing = [f for f in _PROBE_FORMATS if not isinstance(self.kernels.get(f), KernelRate)]
         if missing:
             raise ValueError(f"CostModel.kernels needs a KernelRate for every format {list(_PROBE_FORMATS)}; "
@@ -279,7 +285,8 @@ class CostModel:
                        inter=None if d["inter"] is None else Link(**d["inter"]),
                        kernels={k: KernelRate(**v) for k, v in d["kernels"].items()},
                        source=source or d.get("source", "user"),
-                       calibration={k: Calibration(**v) for k, v in d.get("calibration", {}).items()})
+                       calibration={k: Calibration(**v) for k, v in d.get("calibration", {}).items()},
+                       overlap=d.get("overlap", 1.0))  # files from before it: the full overlap they assumed
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a qcoll cost model ({e}); expected the keys of CostModel.to_dict()") from e
 
@@ -470,7 +477,7 @@ class CostModel:
                 encoded = 0 if plan.sends_input else self.world * length
                 hop1 = (*self._exchange(bi, be), self._kernel(first, encoded, self.world * length), bi, be)
             hops.append((hop1, hop2 if plan.two_hop else (0.0, 0.0, 0.0, 0, 0)))
-        return _pipeline(hops)
+        return _pipeline(hops, self.overlap)
 
     def _all_reduce(self, numel: int, dtype, p: AllReducePolicy) -> list:
         halves = self._all_reduce_halves(numel, dtype, p)
@@ -511,13 +518,15 @@ class _AllReduceHalves(NamedTuple):
     gather_format: Optional[str]
 
 
-def _pipeline(hops: list) -> list:
-    """Stage s's first hop overlaps stage s-1's second: per step the slower of the two."""
+def _pipeline(hops: list, overlap: float) -> list:
+    """Stage s's first hop overlaps stage s-1's second: per step the slower of the two, and
+    the part of the faster one the host does not hide (1 - overlap of it)."""
     out = [hops[0][0]]
     for s in range(1, len(hops)):
         out.append(max(hops[s][0], hops[s - 1][1], key=lambda h: h[0] + h[1] + h[2]))
         other = min(hops[s][0], hops[s - 1][1], key=lambda h: h[0] + h[1] + h[2])
-        out.append((0.0, 0.0, 0.0, other[3], other[4]))  # its bytes still travel
+        shown = 1.0 - overlap
+        out.append((other[0] * shown, other[1] * shown, other[2] * shown, other[3], other[4]))  # its bytes travel
     out.append(hops[-1][1])
     return out
 

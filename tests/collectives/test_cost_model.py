@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import json
+import os
 import time
 
 import pytest
@@ -600,6 +601,52 @@ def test_quantized_all_reduce_above_its_points_grows_as_its_halves():
         exchange.apply(m.estimate("all_reduce", big, bf16, bits_none).seconds))
 
 
+def test_pipeline_overlap_hides_the_shorter_hop():
+    # A 2-hop reduce-scatter of 8M fp32 outputs per rank runs 2 stages (16 MB slices per
+    # partition). Stage 1's intra-node hop beside stage 0's inter-node hop: overlap 0 costs
+    # their sum (the one-stage call, the second stage's two exchanges' latencies and its
+    # slots' headers: under 1e-5 of the call), 1 the
+    # slower of the two, and the time between is linear in the overlap; the bytes do not change with it.
+    n, latency = 8 << 20, 1e-4
+    base = synthetic(latency=latency)
+    two, one = ReduceScatterPolicy(pipeline_stages=2, hierarchical=True), ReduceScatterPolicy(
+        pipeline_stages=1, hierarchical=True)
+    assert base._rs_plan(n, torch.float32, two).stages == 2
+    at = {f: dataclasses.replace(base, overlap=f).estimate("reduce_scatter", n, torch.float32, two)
+          for f in (0.0, 0.5, 1.0)}
+    single = dataclasses.replace(base, overlap=0.0).estimate("reduce_scatter", n, torch.float32, one)
+    assert at[0.0].seconds == pytest.approx(single.seconds + 2 * latency, rel=1e-5)
+    assert at[1.0].seconds < at[0.5].seconds < at[0.0].seconds
+    assert at[0.5].seconds == pytest.approx((at[0.0].seconds + at[1.0].seconds) / 2, rel=1e-9)
+    hidden = at[0.0].seconds - at[1.0].seconds  # the faster hop of the pair: under half the call
+    assert 0 < hidden < at[0.0].seconds / 2
+    assert len({(p.intra_bytes, p.inter_bytes) for p in at.values()}) == 1
+    # One stage has nothing to overlap.
+    assert dataclasses.replace(base, overlap=1.0).estimate("reduce_scatter", n, torch.float32, one) == single
+
+
+@pytest.mark.parametrize("alone, two, expected", [(1.0, 1.0, 1.0), (1.0, 2.0, 0.0), (1.0, 1.5, 1 / 3),
+                                                  (1.0, 3.0, 0.0), (1.0, 0.9, 1.0), (2.0, 3.0, 1 / 3)])
+def test_probe_overlap_from_one_and_two_threads(monkeypatch, alone, two, expected):
+    # The probe's measure: a kernel's work alone (a) against two at once on two threads (b),
+    # 2a / b - 1 within [0, 1]; on a GPU the lanes are streams (1, nothing timed).
+    import types
+    from qcoll import _cost_probe
+
+    timed = []
+
+    def fake_times(fn, device, repeats=3):
+        timed.append(fn.__name__)
+        return [alone if fn.__name__ == "work" else two] * repeats
+
+    monkeypatch.setattr(_cost_probe, "_times", fake_times)
+    group = types.SimpleNamespace(size=1)
+    kernels = {f: KernelRate(1e8, 1e8) for f in _PROBE_FORMATS}
+    assert _cost_probe._overlap(group, torch.device("cpu"), kernels) == pytest.approx(expected)
+    assert timed == ["work", "two"]
+    assert _cost_probe._overlap(group, torch.device("cuda"), kernels) == 1.0 and len(timed) == 2
+
+
 def test_bits_none_all_reduce_calibrated_by_its_host_path():
     # A bf16 bits=None all-reduce of host tensors from 1 MB takes the exchange, below it the
     # transport's all-reduce of fp32 copies (fp32: always): each runs through its own
@@ -664,6 +711,9 @@ def test_checks():
         qcoll.cost_model(budget_s=0)
     with pytest.raises(ValueError, match="not a qcoll cost model"):
         CostModel.from_dict({"world": 4})
+    for overlap in (-0.1, 1.5, True, "1", float("nan")):
+        with pytest.raises(ValueError, match="CostModel.overlap must be a number from 0 to 1"):
+            dataclasses.replace(m, overlap=overlap)
 
 
 def test_file_round_trip(tmp_path):
@@ -673,6 +723,10 @@ def test_file_round_trip(tmp_path):
     back = CostModel.load(str(path))
     assert back.fingerprint() == m.fingerprint() and back.source == f"file {path}"
     assert back.to_dict() == dict(m.to_dict(), source=back.source)
+    d = dataclasses.replace(m, overlap=0.25).to_dict()
+    assert CostModel.from_dict(d).overlap == 0.25
+    d.pop("overlap")  # a file written before the field: the full overlap its predictions assumed
+    assert CostModel.from_dict(d).overlap == 1.0
 
 
 # ---- on ranks ----------------------------------------------------------------------------
@@ -722,6 +776,11 @@ def test_probe_bounded_agreed_cached():
         for bits, (stats_bytes, predicted) in counted.items():
             assert stats_bytes == predicted, (bits, stats_bytes, predicted)
     assert first["inter"]["bandwidth"] > 0 and first["intra"]["latency"] > 0
+    # 4 ranks with a second thread each: where the machine has no core for every thread,
+    # little of a pipeline stage hides under another.
+    assert 0 <= first["overlap"] <= 1
+    if len(os.sched_getaffinity(0)) <= 4:
+        assert first["overlap"] < 0.5, first["overlap"]
     # Every collective's kinds calibrated from whole calls, the all-reduce's bits=None call
     # on both host paths.
     assert sorted(first["calibration"]) == sorted(
