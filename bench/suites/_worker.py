@@ -81,11 +81,12 @@ class Bench:
     def time(self, fn) -> dict:
         return self.time_interleaved({"fn": fn})["fn"]
 
-    def time_interleaved(self, fns: dict, calls_per_turn: int = 1) -> dict:
+    def time_interleaved(self, fns: dict, calls_per_turn: int = 1, rotate: bool = False) -> dict:
         """For each fn: the median over repeats of the slowest rank's time, the node's egress
         bytes and this rank's page faults per call. The fns take turns (a, b, c, a, b, c,
-        ...), so load from other jobs that comes and goes falls on all of them alike; calls
-        under 20 ms get 4x the repeats (the noisiest), and each of their turns times
+        ...; rotate: each round starts one later, b, c, a, ..., so no fn holds one place in
+        the order), so load from other jobs that comes and goes falls on all of them alike;
+        calls under 20 ms get 4x the repeats (the noisiest), and each of their turns times
         calls_per_turn calls back to back (a single small call is bimodal with more ranks
         than cores; a turn's mean is not). Also the CPU that processes other than the ranks
         used meanwhile, in cores ("other_cores"; /proc/stat is machine-wide)."""
@@ -103,8 +104,11 @@ class Bench:
         faults = dict.fromkeys(fns, 0)
         dist.barrier()
         wall0, busy0, own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
-        for _ in range(repeats):
-            for k, fn in fns.items():
+        names = list(fns)
+        for r in range(repeats):
+            shift = r % len(names) if rotate else 0
+            for k in names[shift:] + names[:shift]:
+                fn = fns[k]
                 dist.barrier()
                 self.sync()
                 tx0, f0 = _tx_bytes(self.iface), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
