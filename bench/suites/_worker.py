@@ -84,8 +84,9 @@ class Bench:
     def time_interleaved(self, fns: dict, calls_per_turn: int = 1, rotate: bool = False) -> dict:
         """For each fn: the median over repeats of the slowest rank's time, the node's egress
         bytes and this rank's page faults per call. The fns take turns (a, b, c, a, b, c,
-        ...; rotate: each round starts one later, b, c, a, ..., so no fn holds one place in
-        the order), so load from other jobs that comes and goes falls on all of them alike;
+        ...; rotate: each round starts one later, b, c, a, ..., and the rounds are a multiple
+        of the fns, so each fn holds each place equally often), so load from other jobs that
+        comes and goes falls on all of them alike;
         calls under 20 ms get 4x the repeats (the noisiest), and each of their turns times
         calls_per_turn calls back to back (a single small call is bimodal with more ranks
         than cores; a turn's mean is not). Also the CPU that processes other than the ranks
@@ -105,6 +106,8 @@ class Bench:
         dist.barrier()
         wall0, busy0, own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
         names = list(fns)
+        if rotate:
+            repeats = -(-repeats // len(names)) * len(names)
         for r in range(repeats):
             shift = r % len(names) if rotate else 0
             for k in names[shift:] + names[:shift]:

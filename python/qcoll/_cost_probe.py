@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import _C
 from . import cost as cm
 from ._runtime import call
 from ._formats import FORMATS
@@ -208,44 +209,63 @@ def _kernels(group, device: torch.device, deadline: float) -> dict:
 # The lanes (src/collectives/lanes.cpp) run a pipeline stage's inter-node hop on a thread
 # of their own beside the next stage's intra-node hop on the caller's thread, which hides
 # one under the other only where both threads get a core. On the 2-core VM with 4 ranks a
-# 2-stage call took its 1-stage estimate's time at every link speed (64 MB, 2 x 2, 22 auto
-# suite runs), where full overlap predicted it 10-25% faster. So the probe measures it:
-# every rank at once, as in a call, times this much kernel work on one thread, then two
-# such on two threads.
+# 2-stage call took about its 1-stage estimate's time at every link speed (64 MB, 2 x 2,
+# auto suite runs), where full overlap predicted it up to 29% faster. So the probe measures
+# it: every rank at once, as in a call, times about this much kernel work on one thread,
+# then the same on each of two threads at once, in rounds.
 _OVERLAP_WORK_S = 0.01
 _OVERLAP_FORMAT = "int8"  # the default format's encoder
+_OVERLAP_ROUNDS = 3
+
+
+def overlap_from(ratio: float) -> float:
+    """CostModel.overlap from b / a, two steps of work at once (b) against one alone (a):
+    the pipeline prices two steps of a seconds at (2 - overlap) x a (cost._pipeline)."""
+    return min(1.0, max(0.0, 2.0 - ratio))
 
 
 def _overlap(group, device: torch.device, kernels: dict) -> float:
-    """CostModel.overlap: with `a` the time of a kernel's work on one thread and `b` that of
-    two at once on two threads (the slowest rank's b / a), 2a / b - 1 within [0, 1]: b = a
-    hides one wholly, b = 2a not at all. On a GPU the lanes are streams: 1."""
+    """CostModel.overlap as the host gives it: the slowest rank's median over rounds of b /
+    a, with a the time of a kernel's work on one thread and b that of the same on each of
+    two threads at once (each its own tensors, as each lane its own stage's; the team size
+    the group's calls use). On a GPU the lanes are streams: 1."""
     if device.type == "cuda":
         return 1.0
-    n = max(1 << 14, int(kernels[_OVERLAP_FORMAT].encode * _OVERLAP_WORK_S))
-    x = torch.randn(n)
-    q = quantize(x, bits=_OVERLAP_FORMAT)
-    threads = torch.get_num_threads()
+    elements = kernels[_OVERLAP_FORMAT].encode * _OVERLAP_WORK_S
+    n = int(max(1 << 14, min(cm._KERNEL_MAX, elements)))  # within the sizes the rate was measured at
+    repeats = max(1, round(elements / n))
+    xs = [torch.randn(n) for _ in range(2)]
+    codes = [quantize(x, bits=_OVERLAP_FORMAT) for x in xs]
+    threads = call.kernel_threads(group)
 
-    def work():
-        quantize(x, bits=_OVERLAP_FORMAT, out=q)
+    def work(lane: int) -> None:
+        previous = _C.openmp_threads()  # a new thread starts from the process default
+        _C.set_openmp_threads(threads)
+        try:
+            for _ in range(repeats):
+                quantize(xs[lane], bits=_OVERLAP_FORMAT, out=codes[lane])
+        finally:
+            _C.set_openmp_threads(previous)
 
-    def beside():  # a new thread starts with the process's OpenMP team size, not the caller's
-        torch.set_num_threads(threads)
-        work()
-
-    def two():
-        other = threading.Thread(target=beside)
+    def two() -> None:
+        other = threading.Thread(target=work, args=(1,))
         other.start()
-        work()
+        work(0)
         other.join()
 
+    def seconds(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    work(0)  # warm-up
+    two()
     ratios = []
-    for fn in (work, two):
+    for _ in range(_OVERLAP_ROUNDS):  # a and b in turns: load that comes and goes meets both
         agreed_max(group, [0.0], device)  # every rank starts together
-        ratios.append(statistics.median(_times(fn, device)))
-    slowest = agreed_max(group, [ratios[1] / ratios[0]], device)[0]
-    return min(1.0, max(0.0, 2.0 / slowest - 1.0))
+        alone = seconds(lambda: work(0))
+        ratios.append(seconds(two) / alone)
+    return overlap_from(agreed_max(group, [statistics.median(ratios)], device)[0])
 
 
 # Per collective, the calls the calibration times, one per calibration key

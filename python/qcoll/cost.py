@@ -12,8 +12,9 @@ per-call cost included). Per code format a KernelRate: elements per second encod
 decoded by one rank while every rank runs the kernel ("raw": copy and fp32 add, what an
 unquantized hop costs). The overlap: how much of a pipelined call's overlapping steps the
 host hides (a CPU with no spare core for the lanes' second thread hides none). Bytes per
-hop come from the core's plans (one algorithm, one place); a prediction is of a repeated call (the first call of a signature on CPU also exchanges a
-32-byte call check with every peer).
+hop come from the core's plans (one algorithm, one place); a prediction is of a repeated
+call (the first call of a signature on CPU also exchanges a 32-byte call check with every
+peer).
 
 Calibration: the rates above miss what a whole call adds on a real machine (the
 transport's own algorithms, processes sharing cores, copies). So the probe also times the
@@ -265,6 +266,7 @@ class CostModel:
                                  f"got {key!r}: {cal!r}")
         if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) or not 0 <= self.overlap <= 1:
             raise ValueError(f"CostModel.overlap must be a number from 0 to 1, got {self.overlap!r}")
+        object.__setattr__(self, "overlap", float(self.overlap))  # 1 and 1.0: one fingerprint
         missing = [f for f in _PROBE_FORMATS if not isinstance(self.kernels.get(f), KernelRate)]
         if missing:
             raise ValueError(f"CostModel.kernels needs a KernelRate for every format {list(_PROBE_FORMATS)}; "
@@ -520,15 +522,21 @@ class _AllReduceHalves(NamedTuple):
 
 def _pipeline(hops: list, overlap: float) -> list:
     """Stage s's first hop overlaps stage s-1's second: per step the slower of the two, and
-    the part of the faster one the host does not hide (1 - overlap of it)."""
+    the part of the faster one the host does not hide (1 - overlap of it); two steps of `a`
+    seconds each take (2 - overlap) x a (_cost_probe._overlap measures it so)."""
     out = [hops[0][0]]
+    shown = 1.0 - overlap
     for s in range(1, len(hops)):
-        out.append(max(hops[s][0], hops[s - 1][1], key=lambda h: h[0] + h[1] + h[2]))
-        other = min(hops[s][0], hops[s - 1][1], key=lambda h: h[0] + h[1] + h[2])
-        shown = 1.0 - overlap
-        out.append((other[0] * shown, other[1] * shown, other[2] * shown, other[3], other[4]))  # its bytes travel
+        first, second = hops[s][0], hops[s - 1][1]
+        slower, faster = (first, second) if _seconds(first) >= _seconds(second) else (second, first)
+        out.append(slower)
+        out.append((faster[0] * shown, faster[1] * shown, faster[2] * shown, faster[3], faster[4]))  # its bytes travel
     out.append(hops[-1][1])
     return out
+
+
+def _seconds(part: tuple) -> float:
+    return part[0] + part[1] + part[2]
 
 
 def _sum(parts: list) -> Prediction:

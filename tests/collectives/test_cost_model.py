@@ -625,26 +625,53 @@ def test_pipeline_overlap_hides_the_shorter_hop():
     assert dataclasses.replace(base, overlap=1.0).estimate("reduce_scatter", n, torch.float32, one) == single
 
 
-@pytest.mark.parametrize("alone, two, expected", [(1.0, 1.0, 1.0), (1.0, 2.0, 0.0), (1.0, 1.5, 1 / 3),
-                                                  (1.0, 3.0, 0.0), (1.0, 0.9, 1.0), (2.0, 3.0, 1 / 3)])
-def test_probe_overlap_from_one_and_two_threads(monkeypatch, alone, two, expected):
-    # The probe's measure: a kernel's work alone (a) against two at once on two threads (b),
-    # 2a / b - 1 within [0, 1]; on a GPU the lanes are streams (1, nothing timed).
-    import types
-    from qcoll import _cost_probe
+@pytest.mark.parametrize("ratio", [1.0, 1.2, 1.5, 1.9, 2.0, 3.0, 0.9])
+def test_probe_overlap_is_what_the_pipeline_prices(ratio):
+    # The probe times two steps of work at once against one (b / a); the overlap it keeps
+    # must make the pipeline price two overlapping steps of a seconds at b (within [a, 2a]).
+    from qcoll._cost_probe import overlap_from
+    from qcoll.cost import _pipeline
 
-    timed = []
+    step = (0.25, 0.25, 0.5, 100, 40)  # 1 s: intra, inter, kernel seconds; intra, inter bytes
+    parts = _pipeline([(step, step), (step, step)], overlap_from(ratio))
+    overlapped = sum(p[0] + p[1] + p[2] for p in parts) - 2.0  # less stage 0's first hop and stage 1's second
+    assert overlapped == pytest.approx(min(max(ratio, 1.0), 2.0))
 
-    def fake_times(fn, device, repeats=3):
-        timed.append(fn.__name__)
-        return [alone if fn.__name__ == "work" else two] * repeats
 
-    monkeypatch.setattr(_cost_probe, "_times", fake_times)
-    group = types.SimpleNamespace(size=1)
-    kernels = {f: KernelRate(1e8, 1e8) for f in _PROBE_FORMATS}
-    assert _cost_probe._overlap(group, torch.device("cpu"), kernels) == pytest.approx(expected)
-    assert timed == ["work", "two"]
-    assert _cost_probe._overlap(group, torch.device("cuda"), kernels) == 1.0 and len(timed) == 2
+def test_pipeline_keeps_both_hops_of_equal_time():
+    # Two overlapping hops of the same time (here an intra-node and an inter-node one): one
+    # is the step, the other the part shown, each with its own bytes.
+    from qcoll.cost import _pipeline
+
+    intra, inter = (0.5, 0.0, 0.5, 100, 0), (0.0, 0.5, 0.5, 0, 40)
+    for overlap in (0.0, 0.5, 1.0):
+        parts = _pipeline([(intra, inter), (intra, inter)], overlap)
+        assert (sum(p[3] for p in parts), sum(p[4] for p in parts)) == (200, 80)
+        assert sum(p[0] + p[1] + p[2] for p in parts) == pytest.approx(4.0 - overlap)
+
+
+def _measured_overlap(rank, world, device):
+    from qcoll import _C, _cost_probe
+
+    torch.set_num_threads(1)  # one core per thread (torchrun's default)
+    _C.set_openmp_threads(1)
+    g = qcoll.new_group(node_size=1)
+    # The probe's 10 ms of work at 1e9 elements/s (the encoder's rate here is 1-2e9): 4M
+    # elements, twice. (At 1e6 elements, 0.4 ms, starting the thread weighed: b / a 2.2-2.8.)
+    kernels = {f: KernelRate(1e9, 1e9) for f in _PROBE_FORMATS}
+    try:
+        return _cost_probe._overlap(g, torch.device(device), kernels)
+    finally:
+        g.close()
+
+
+def test_probe_measures_the_overlap_a_spare_core_gives():
+    # One rank, two threads of one core each: where the machine has two cores, the second
+    # thread's work hides under the first's. A GPU's lanes are streams: 1, nothing timed.
+    if len(os.sched_getaffinity(0)) >= 2:
+        (overlap,) = run_ranks(1, _measured_overlap, "cpu")
+        assert overlap > 0.5, overlap
+    assert run_ranks(1, _measured_overlap, "cuda") == [1.0]
 
 
 def test_bits_none_all_reduce_calibrated_by_its_host_path():

@@ -47,6 +47,12 @@ def drain(group) -> None:
     group._calls.drain()
 
 
+def kernel_threads(group) -> int:
+    """The OpenMP team size this thread's CPU calls on the group run their kernels with:
+    its own, at most the rank's share of its host's cores (worker.CallQueue)."""
+    return group._calls.kernel_threads()
+
+
 def debugging() -> bool:
     """QCOLL_DEBUG=1 (read per call: a test may set it mid-run; os.environ's writes reach
     getenv). The API modules ask before building debug_check's metadata, which costs a

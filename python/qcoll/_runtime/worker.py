@@ -141,9 +141,13 @@ class CallQueue:
             raise CommunicationError(f"{describe}: the group is unusable after an earlier "
                                      f"failure ({self._failure}); create a new group")
 
+    def kernel_threads(self) -> int:
+        """The OpenMP team size a call issued by this thread runs its kernels with."""
+        return min(_C.openmp_threads(), self._max_threads)
+
     def submit(self, run: Callable[[], None], describe: str) -> Future:
         """Queue `run`; its error (wrapped to name `describe`) is set on the Future."""
-        threads = min(_C.openmp_threads(), self._max_threads)
+        threads = self.kernel_threads()
         with self._lock:
             self._refuse(describe)
             if self._thread is None:
