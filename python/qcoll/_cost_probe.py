@@ -211,9 +211,12 @@ def _kernels(group, device: torch.device, deadline: float) -> dict:
 # one under the other only where both threads get a core. On the 2-core VM with 4 ranks a
 # 2-stage call took about its 1-stage estimate's time at every link speed (64 MB, 2 x 2,
 # auto suite runs), where full overlap predicted it up to 29% faster. So the probe measures
-# it: every rank at once, as in a call, times about this much kernel work on one thread,
-# then the same on each of two threads at once, in rounds.
+# it: every rank at once, as in a call, times kernel work of at least this long on one
+# thread (the slowest rank's; grown by repeats, not sized by the kernel rates: those of a
+# short probe come from small calls, and work sized by them ran 0.1 ms, where starting the
+# second thread decided the ratio), then the same on each of two threads at once, in rounds.
 _OVERLAP_WORK_S = 0.01
+_OVERLAP_ELEMENTS = 1 << 20
 _OVERLAP_FORMAT = "int8"  # the default format's encoder
 _OVERLAP_ROUNDS = 3
 
@@ -224,19 +227,17 @@ def overlap_from(ratio: float) -> float:
     return min(1.0, max(0.0, 2.0 - ratio))
 
 
-def _overlap(group, device: torch.device, kernels: dict) -> float:
+def _overlap(group, device: torch.device) -> float:
     """CostModel.overlap as the host gives it: the slowest rank's median over rounds of b /
     a, with a the time of a kernel's work on one thread and b that of the same on each of
     two threads at once (each its own tensors, as each lane its own stage's; the team size
     the group's calls use). On a GPU the lanes are streams: 1."""
     if device.type == "cuda":
         return 1.0
-    elements = kernels[_OVERLAP_FORMAT].encode * _OVERLAP_WORK_S
-    n = int(max(1 << 14, min(cm._KERNEL_MAX, elements)))  # within the sizes the rate was measured at
-    repeats = max(1, round(elements / n))
-    xs = [torch.randn(n) for _ in range(2)]
+    xs = [torch.randn(_OVERLAP_ELEMENTS) for _ in range(2)]
     codes = [quantize(x, bits=_OVERLAP_FORMAT) for x in xs]
     threads = call.kernel_threads(group)
+    repeats = 1
 
     def work(lane: int) -> None:
         previous = _C.openmp_threads()  # a new thread starts from the process default
@@ -254,15 +255,22 @@ def _overlap(group, device: torch.device, kernels: dict) -> float:
         other.join()
 
     def seconds(fn) -> float:
+        # Every rank starts each timing together: a rank still in its a while another runs
+        # its b would take some of that one's contention and lend it the other.
+        agreed_max(group, [0.0], device)
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
 
     work(0)  # warm-up
-    two()
+    while True:  # repeats until the work takes _OVERLAP_WORK_S on every rank
+        alone = agreed_max(group, [seconds(lambda: work(0))], device)[0]
+        if alone >= _OVERLAP_WORK_S or repeats >= 1 << 10:
+            break
+        repeats = min(1 << 10, max(2 * repeats, int(repeats * 1.2 * _OVERLAP_WORK_S / alone)))
+    two()  # warm-up
     ratios = []
     for _ in range(_OVERLAP_ROUNDS):  # a and b in turns: load that comes and goes meets both
-        agreed_max(group, [0.0], device)  # every rank starts together
         alone = seconds(lambda: work(0))
         ratios.append(seconds(two) / alone)
     return overlap_from(agreed_max(group, [statistics.median(ratios)], device)[0])
@@ -456,7 +464,7 @@ def probe(group, device: torch.device, budget_s: float) -> cm.CostModel:
     kernels = _kernels(group, device, start + budget_s / 2)
     model = cm.CostModel(world=group.size, node_size=group.node_size, device=device.type,
                          intra=links.get("intra"), inter=links.get("inter"), kernels=kernels,
-                         source="probe", overlap=_overlap(group, device, kernels))
+                         source="probe", overlap=_overlap(group, device))
     if group.size == 1:
         return model
     calibration = _calibration(group, model, device, start + budget_s)
