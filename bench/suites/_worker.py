@@ -86,8 +86,8 @@ class Bench:
         bytes and this rank's page faults per call. The fns take turns (a, b, c, a, b, c,
         ...; rotate: each round starts one later, b, c, a, ..., and the rounds are a multiple
         of the fns, so each fn holds each place equally often), so load from other jobs that
-        comes and goes falls on all of them alike;
-        calls under 20 ms get 4x the repeats (the noisiest), and each of their turns times
+        comes and goes falls on all of them alike; calls under 20 ms get 4x the repeats (the
+        noisiest), and each of their turns times
         calls_per_turn calls back to back (a single small call is bimodal with more ranks
         than cores; a turn's mean is not). Also the CPU that processes other than the ranks
         used meanwhile, in cores ("other_cores"; /proc/stat is machine-wide)."""
