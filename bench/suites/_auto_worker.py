@@ -4,7 +4,8 @@
 
 Probes the group's cost model (qcoll.cost_model, bounded by the config's probe budget),
 then per size and collective times four calls taking turns (_worker.Bench, the config's
-calls_per_turn back to back for calls under 20 ms, each round starting one call later: in
+calls_per_turn back to back for calls under 20 ms, at least the config's min_seconds of
+timed calls a cell, each round starting one call later: in
 a fixed order auto sat third and at 1 MB measured 1.02-1.05x the very fixed call it ran, on
 average over 22 runs, the control in fourth place 0.99-1.00x): the uncompressed one, the
 quantized one with the collective's default policy, the same configuration with
@@ -85,7 +86,8 @@ def main() -> None:
     for size in cfg["sizes"]:
         for collective in FIXED:
             fns, numel = _calls(collective, group, size, dtype, rank, world)
-            timed = b.time_interleaved(fns, calls_per_turn=cfg.get("calls_per_turn", 1), rotate=True)
+            timed = b.time_interleaved(fns, calls_per_turn=cfg.get("calls_per_turn", 1), rotate=True,
+                                       min_seconds=cfg.get("min_seconds", 0.0))
             decision = [d for k, d in qcoll.auto.decisions(group).items() if k[0] == collective and k[1] == numel]
             row = {"collective": collective, "bytes": size, "numel": numel, "dtype": cfg["dtype"],
                    "auto_choice": decision[0]["choice"], "candidates_predicted_s": decision[0]["predicted_s"],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import resource
 import statistics
@@ -81,7 +82,8 @@ class Bench:
     def time(self, fn) -> dict:
         return self.time_interleaved({"fn": fn})["fn"]
 
-    def time_interleaved(self, fns: dict, calls_per_turn: int = 1, rotate: bool = False) -> dict:
+    def time_interleaved(self, fns: dict, calls_per_turn: int = 1, rotate: bool = False,
+                         min_seconds: float = 0.0) -> dict:
         """For each fn: the median over repeats of the slowest rank's time, the node's egress
         bytes and this rank's page faults per call. The fns take turns (a, b, c, a, b, c,
         ...; rotate: each round starts one later, b, c, a, ..., and the rounds are a multiple
@@ -89,8 +91,11 @@ class Bench:
         comes and goes falls on all of them alike; calls under 20 ms get 4x the repeats (the
         noisiest), and each of their turns times
         calls_per_turn calls back to back (a single small call is bimodal with more ranks
-        than cores; a turn's mean is not). Also the CPU that processes other than the ranks
-        used meanwhile, in cores ("other_cores"; /proc/stat is machine-wide)."""
+        than cores; a turn's mean is not). min_seconds: more rounds (up to 8x the repeats)
+        until the timed calls are forecast to take that long (from the warm-up): a cell
+        whose slowest call makes it "not quick" still gets its fast calls enough turns. Also
+        the CPU that processes other than the ranks used meanwhile, in cores ("other_cores";
+        /proc/stat is machine-wide)."""
         t0 = time.perf_counter()
         for _ in range(self.cfg["warmup"]):
             for fn in fns.values():
@@ -100,6 +105,9 @@ class Bench:
         quick_calls = self.allsum([float(per_round < 0.02 * len(fns))], op=dist.ReduceOp.MIN)[0]
         repeats = self.cfg["repeats"] * (4 if quick_calls else 1)
         per_turn = max(1, calls_per_turn) if quick_calls else 1
+        if min_seconds > 0:  # agreed: the slowest rank's forecast
+            forecast = self.allsum([per_round * per_turn], op=dist.ReduceOp.MAX)[0]
+            repeats = max(repeats, min(8 * self.cfg["repeats"], math.ceil(min_seconds / max(forecast, 1e-9))))
         times = {k: [] for k in fns}
         tx = dict.fromkeys(fns, 0)
         faults = dict.fromkeys(fns, 0)

@@ -13,14 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BENCH = os.path.join(ROOT, "bench")
 
 
-def _orders(rank, world, rotate):
+def _orders(rank, world, rotate, min_seconds=0.0):
     sys.path.insert(0, BENCH)
     from suites._worker import Bench
 
     seen = []
     fns = {name: (lambda name=name: seen.append(name)) for name in "abc"}
     cfg = dict(world=world, node_size=1, device="cpu", warmup=1, repeats=1)
-    timed = Bench(cfg, rank).time_interleaved(fns, rotate=rotate)
+    timed = Bench(cfg, rank).time_interleaved(fns, rotate=rotate, min_seconds=min_seconds)
     rounds = [seen[i:i + 3] for i in range(3, len(seen), 3)]  # after the warm-up round
     return rounds, {k: len(v["times_s"]) for k, v in timed.items()}
 
@@ -34,3 +34,11 @@ def test_rotated_turns_give_every_call_every_place():
             assert ["".join(r) for r in rounds] == ["abc", "bca", "cab"] * 2
         else:
             assert all(r == list("abc") for r in rounds)
+
+
+def test_min_seconds_adds_rounds_up_to_eight_times_the_repeats():
+    # Calls of about nothing: a floor of 10 s wants far more rounds than the cap allows, 8 x
+    # 1 repeat, rotated up to 9; a floor of a microsecond changes nothing (6, as above).
+    for min_seconds, expected in ((10.0, 9), (1e-6, 6)):
+        (rounds, counts), = run_ranks(1, _orders, True, min_seconds)
+        assert len(rounds) == expected and counts == dict.fromkeys("abc", expected)
