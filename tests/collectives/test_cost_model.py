@@ -432,8 +432,9 @@ def test_calibration_rounds_end_within_the_budget(monkeypatch):
             assert sizes[c] == [(2 << 20) * 4 ** i for i in range(len(sizes[c]))], sizes  # 2, 8, 32 MB
             assert all(len(v.points) == len(sizes[c]) for k, v in cal.items() if k.startswith(c + "/"))
         # 11 timed calls per kind at the first size (nothing measured yet: taken as short), 7 at
-        # 8 MB (forecast 4 x 21 ms, past _SHORT_CALL_S), 3 at 32 MB (4 x 84 ms >= _LONG_CALL_S).
-        assert all(r == {2 << 20: 11, 8 << 20: 7, 32 << 20: 3}[b] for _, b, r in seen)
+        # 8 MB (forecast 4 x 21 ms, past _SHORT_CALL_S) or 3 where 7 would not fit (below), 3
+        # at 32 MB (4 x 84 ms >= _LONG_CALL_S).
+        assert all(r in {2 << 20: (11,), 8 << 20: (7, 3), 32 << 20: (3,)}[b] for _, b, r in seen)
         points.append(len(seen))
     assert sizes == {c: [2 << 20, 8 << 20, 32 << 20] for c in order}  # 60 s: every size
     assert points == sorted(points) and points[0] == 3 and len(set(points)) >= 3, points
@@ -454,20 +455,37 @@ def test_calibration_forecast_counts_the_timed_calls(monkeypatch, budget, sizes)
     assert got == sizes and elapsed <= budget, (got, elapsed)
 
 
-@pytest.mark.parametrize("estimates, sizes", [(_fixed_cost_estimates, (3, 3, 3)), (_scripted_estimates, (3, 3, 2))])
-def test_calibration_forecast_grows_with_the_estimate(monkeypatch, estimates, sizes):
+@pytest.mark.parametrize("estimates, repeats", [(_fixed_cost_estimates, 7), (_scripted_estimates, 3)])
+def test_calibration_forecast_grows_with_the_estimate(monkeypatch, estimates, repeats):
     # Calls of 5 ms + 2.5 ns per byte (_fixed_cost), within an 11 s budget. By hand: the
     # first two rounds (11, then 7 timed calls a kind) end at 2.98 s and the all-gather's and
-    # reduce-scatter's 32 MB steps at 6.54 s. The all-reduce's 32 MB step (2.85 s), forecast
-    # from its 8 MB one (0.83 s) x 1.5, x the estimate's growth (3.4x): 4.27 s, ends at 10.8;
-    # x the bytes' (estimates that grow as the bytes do): 4.99 s, past the budget.
+    # reduce-scatter's 32 MB steps at 6.54 s. The all-reduce's 32 MB step with 7 timed calls
+    # (2.85 s), forecast from its 8 MB one (0.83 s) x 1.5, x the estimate's growth (3.4x):
+    # 4.27 s, ends at 10.8; x the bytes' (estimates that grow as the bytes do): 4.99 s, past
+    # the budget, so it times 3 calls a kind (forecast 2.50 s).
     def slower(collective, nbytes):
         return _fixed_cost(nbytes) / (nbytes * 1e-8)
 
     seen, _, elapsed = _scripted_calibration(monkeypatch, 11.0, slower, estimates=estimates)
     got = tuple(len([b for c, b, _ in seen if c == collective])
                 for collective in ("allgather", "reduce_scatter", "all_reduce"))
-    assert got == sizes and elapsed <= 11.0, (got, elapsed)
+    assert got == (3, 3, 3) and elapsed <= 11.0, (got, elapsed)
+    assert seen[-1] == ("all_reduce", 32 << 20, repeats), seen
+
+
+def test_calibration_takes_fewer_calls_before_leaving_a_size_out(monkeypatch):
+    # By hand (the scripted clock): the first round ends at 2.265 s. The all-gather's 8 MB
+    # step, forecast from its 2 MB one (0.503 s x 4 x 1.5), takes 2.01 s with 7 timed calls a
+    # kind (8/12 of the calls), past a 4 s budget; with 3 (4/12) 1.01 s: measured so (0.67 s,
+    # ends at 2.94). The reduce-scatter's with 3 (1.51 s) and the all-reduce's (2.01 s) end
+    # past 4 s: left out, as is the all-gather's 32 MB (4.03 s). Before, the all-gather kept
+    # one point too, and its 8 MB predictions ran along the line through 2 MB.
+    seen, cal, elapsed = _scripted_calibration(monkeypatch, 4.0)
+    first, second = 2 << 20, 8 << 20
+    assert seen == [("allgather", first, 11), ("reduce_scatter", first, 11), ("all_reduce", first, 11),
+                    ("allgather", second, 3)], seen
+    assert elapsed <= 4.0 and len(cal["allgather/uncompressed"].points) == 2
+    assert len(cal["reduce_scatter/uncompressed"].points) == 1
 
 
 def test_calibration_default_sizes(monkeypatch):
