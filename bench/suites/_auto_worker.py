@@ -106,9 +106,10 @@ def main() -> None:
                 print(f"PROGRESS {done} {total}", flush=True)
     if rank == 0:
         with open(cfg["out"], "w") as f:
-            # The transport's measured all-gather path per size band (Group.gather_paths).
-            paths = {f"{lo}-{hi}": d for (lo, hi), d in group.gather_paths.items()}
-            json.dump({"rows": rows, "model": model.to_dict(), "probe_s": probe_s, "gather_paths": paths}, f)
+            # The transport's trials of the all-gather paths per size band (Group.gather_paths;
+            # the model holds the chosen paths of the bands the probe met).
+            trials = {f"{lo}-{hi}": d for (lo, hi), d in group.gather_paths.items()}
+            json.dump({"rows": rows, "model": model.to_dict(), "probe_s": probe_s, "gather_trials": trials}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -83,7 +83,7 @@ def run(quick: bool, progress, sizes=None) -> dict:
                                                    "QCOLL_HOST_ID": f"node{r // node_size}"},
                                     timeout=3600, worker=WORKER)
                 models[f"{topology} {name}"] = dict(out["model"], probe_s=out["probe_s"],
-                                                    gather_paths=out["gather_paths"])
+                                                    gather_trials=out["gather_trials"])
                 for r in out["rows"]:
                     rows.append(dict(r, topology=topology, link=name, link_gbit=gbit))
                 done += 1
@@ -167,7 +167,9 @@ def table(result: dict) -> list:
         lines.append(f"{name}: link probed {p['gbit_s']:.2f} Gbit/s one stream; model (probe {m['probe_s']:.1f} s): "
                      f"intra {m['intra']['bandwidth'] * 8e-9:.2f} Gbit/s/rank {m['intra']['latency'] * 1e3:.2f} ms, "
                      f"inter {inter.get('bandwidth', 0) * 8e-9:.2f} Gbit/s/rank {inter.get('latency', 0) * 1e3:.2f} ms")
-        paths = m.get("gather_paths") or {}  # absent from runs before the measured gather
+        # The transport's trials per band: "gather_trials"; in runs before the model held the
+        # chosen paths, "gather_paths"; absent from runs before the measured gather.
+        paths = m["gather_trials"] if "gather_trials" in m else m.get("gather_paths", {})
         if paths:
             lines.append("  all-gathers by " + ", ".join(
                 f"{human_bytes(int(band.split('-')[0]))}-{human_bytes(int(band.split('-')[1]))}: {d['path']} "

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from . import _C
 from . import cost as cm
 from ._runtime import call
+from ._torch_transport import gather_band
 from ._formats import FORMATS
 from .policy import (HOST_ALL_REDUCE_PATHS, AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy,
                      host_all_reduce_path)
@@ -357,6 +358,7 @@ class _Series:
     its last size took (this rank's clock: a forecast, agreed through _fits)."""
 
     calls: list  # CALIBRATED's (policy, path), one per calibration key
+    sizes: list = dataclasses.field(default_factory=list)  # total bytes, per size
     estimates: list = dataclasses.field(default_factory=list)  # per size, per call
     measured: list = dataclasses.field(default_factory=list)
     step_s: float = 0.0
@@ -443,18 +445,31 @@ def _calibration(group, model: cm.CostModel, device: torch.device, deadline: flo
                 # once: 1.7x at 32 MB) does not, and a prediction runs through this point.
                 again = _calibration_times(collective, group, s.calls, nbytes, device, repeats)
                 measured, measured_again = [min(a, b) for a, b in zip(measured, again)], True
+            s.sizes.append(nbytes)
             s.estimates.append(estimates)
             s.measured.append(measured)
             s.again.append(measured_again)
             if s.done(nbytes):
                 active.remove(collective)
         nbytes *= 4
+    # The points' estimates again, now with the all-gather path the transport measured for
+    # each size band (its first gather, during these calls): a prediction takes that path,
+    # so the points it runs through must too.
+    fitting = dataclasses.replace(model, gather_paths=measured_gather_paths(group))
     out = {}
     for collective, s in series.items():
+        estimates = [_estimates(collective, group, fitting, s.calls, nbytes) for nbytes in s.sizes]
         for i, c in enumerate(s.calls):
             out[_calibration_key(model, collective, c)] = cm.Calibration.fit(
-                [e[i] for e in s.estimates], [m[i] for m in s.measured])
+                [e[i] for e in estimates], [m[i] for m in s.measured])
     return out
+
+
+def measured_gather_paths(group) -> dict:
+    """CostModel.gather_paths from the group's transport (Group.gather_paths: agreed by
+    every rank when chosen); none where it measures no paths."""
+    described = getattr(group, "gather_paths", None) or {}
+    return {gather_band(high): d["path"] for (_, high), d in described.items()}
 
 
 def probe(group, device: torch.device, budget_s: float) -> cm.CostModel:
@@ -477,4 +492,4 @@ def probe(group, device: torch.device, budget_s: float) -> cm.CostModel:
     if group.size == 1:
         return model
     calibration = _calibration(group, model, device, start + budget_s)
-    return dataclasses.replace(model, calibration=calibration)
+    return dataclasses.replace(model, calibration=calibration, gather_paths=measured_gather_paths(group))

@@ -54,6 +54,10 @@ def measures_gather_path(size: int, node_size: int, gathered_bytes: int) -> bool
     return spans_tiers and gathered_bytes > ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES
 
 
+# The two paths GatherPaths chooses between, by the names describe() and the cost model use.
+GATHER_PATHS = ("ring", "all_to_all")
+
+
 def gather_band(gathered_bytes: int) -> int:
     """The size band k of a gather: gathered bytes in (4^(k-1), 4^k]."""
     return (max(1, gathered_bytes) - 1).bit_length() + 1 >> 1
@@ -84,7 +88,7 @@ class GatherPaths:
     def describe(self) -> dict:
         """{(low, high): {"path": "all_to_all" | "ring", "measured_s": {"ring": s,
         "all_to_all": s}}} for gathered bytes in (low, high]."""
-        return {band_bounds(band): {"path": "all_to_all" if by_all_to_all else "ring",
+        return {band_bounds(band): {"path": GATHER_PATHS[int(by_all_to_all)],
                                     "measured_s": {"ring": ring, "all_to_all": all_to_all}}
                 for band, (by_all_to_all, ring, all_to_all) in sorted(dict(self.chosen).items())}
 

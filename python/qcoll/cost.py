@@ -56,7 +56,7 @@ from ._runtime import call
 from ._formats import FORMATS, RAW_CODE, format_code, format_of
 from .policy import (AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy, host_all_reduce_tail_apart,
                      unquantized_host_all_reduce)
-from ._torch_transport import measures_gather_path
+from ._torch_transport import GATHER_PATHS, gather_band, measures_gather_path
 
 RAW = "raw"  # the kernel-rate key of unquantized hops (copy to send, fp32 add to reduce)
 COLLECTIVES = ("allgather", "reduce_scatter", "all_reduce")
@@ -224,6 +224,13 @@ class Calibration:
         return mb + min(max(slope, self.scale / 2), 2 * self.scale) * (estimate - eb)
 
 
+def _bands(paths: dict) -> dict:
+    """A file's gather_paths (JSON keys are strings) with int bands."""
+    if not isinstance(paths, dict) or not all(isinstance(b, str) and b.isdigit() for b in paths):
+        raise ValueError(f"CostModel.gather_paths in a file maps size bands (digits) to paths, got {paths!r}")
+    return {int(band): path for band, path in paths.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """Rates of one group (world ranks, node_size per node) on one device type.
@@ -233,7 +240,12 @@ class CostModel:
     file it was loaded from; calibration: "<collective>/<kind>" (CostModel.calibration_key) ->
     Calibration (keys missing: the rates' estimate as it is); overlap: the fraction of the
     shorter of two overlapping pipeline steps (a stage's inter-node hop beside the next
-    stage's intra-node hop) that runs hidden, 0 to 1 (the probe measures it: _cost_probe)."""
+    stage's intra-node hop) that runs hidden, 0 to 1 (the probe measures it: _cost_probe);
+    gather_paths: size band (_torch_transport.gather_band) -> GATHER_PATHS' name, the path the
+    group's transport measured faster for the all-gathers of that band and takes for them
+    (its GatherPaths: the probe's calls meet its bands; a model from a file holds its probe's,
+    which a later process's transport measures again); a band not in it: the faster of the
+    two by the rates."""
 
     world: int
     node_size: int
@@ -244,6 +256,7 @@ class CostModel:
     source: str = "user"
     calibration: Mapping[str, Calibration] = dataclasses.field(default_factory=dict)
     overlap: float = 1.0
+    gather_paths: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("world", "node_size"):
@@ -267,6 +280,11 @@ class CostModel:
         if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) or not 0 <= self.overlap <= 1:
             raise ValueError(f"CostModel.overlap must be a number from 0 to 1, got {self.overlap!r}")
         object.__setattr__(self, "overlap", float(self.overlap))  # 1 and 1.0: one fingerprint
+        for band, path in self.gather_paths.items():
+            if isinstance(band, bool) or not isinstance(band, int) or band < 1 or path not in GATHER_PATHS:
+                raise ValueError(f"CostModel.gather_paths maps size bands (ints >= 1) to one of {GATHER_PATHS}; "
+                                 f"got {band!r}: {path!r}")
+        object.__setattr__(self, "gather_paths", dict(sorted(self.gather_paths.items())))
         missing = [f for f in _PROBE_FORMATS if not isinstance(self.kernels.get(f), KernelRate)]
         if missing:
             raise ValueError(f"CostModel.kernels needs a KernelRate for every format {list(_PROBE_FORMATS)}; "
@@ -277,6 +295,7 @@ class CostModel:
         d = dataclasses.asdict(self)
         d["kernels"] = {k: dataclasses.asdict(v) for k, v in sorted(self.kernels.items())}
         d["calibration"] = {k: dataclasses.asdict(v) for k, v in sorted(self.calibration.items())}
+        d["gather_paths"] = {str(band): path for band, path in self.gather_paths.items()}  # JSON keys
         return d
 
     @classmethod
@@ -288,7 +307,8 @@ class CostModel:
                        kernels={k: KernelRate(**v) for k, v in d["kernels"].items()},
                        source=source or d.get("source", "user"),
                        calibration={k: Calibration(**v) for k, v in d.get("calibration", {}).items()},
-                       overlap=d.get("overlap", 1.0))  # files from before it: the full overlap they assumed
+                       overlap=d.get("overlap", 1.0),  # files from before it: the full overlap they assumed
+                       gather_paths=_bands(d.get("gather_paths", {})))
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a qcoll cost model ({e}); expected the keys of CostModel.to_dict()") from e
 
@@ -443,7 +463,12 @@ class CostModel:
         if ring or self.device != "cpu":
             paths = [by_ring]
         elif measures_gather_path(self.world, self.node_size, self.world * sent):
-            paths = [by_ring, by_all_to_all]
+            # The band's measured path where known: by the rates' faster, a 1 MB all-gather on
+            # 3 x 2 at 1 Gbit/s took the ring (8 MB and up did) where the transport had
+            # measured the all-to-all faster, and its time interpolated between a 512 KB
+            # point of one path and a 2 MB point of the other: 30% under in every auto run.
+            known = self.gather_paths.get(gather_band(self.world * sent))
+            paths = {None: [by_ring, by_all_to_all], "ring": [by_ring], "all_to_all": [by_all_to_all]}[known]
         else:
             paths = [by_all_to_all]
         intra, inter = min(paths, key=lambda p: sum(self._exchange(*p)))  # a tie: the ring

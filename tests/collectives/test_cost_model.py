@@ -514,6 +514,40 @@ def test_calibration_measures_again_only_within_the_budget(monkeypatch):
         assert elapsed <= budget
 
 
+def test_all_gather_priced_by_the_band_path_the_transport_took():
+    # 3 x 2 at 1 Gbit/s across: by the rates, which path is faster changes with the size;
+    # where the model holds a band's measured path it prices that one, whichever is faster.
+    from qcoll._torch_transport import gather_band
+
+    m = synthetic(6, 2, inter_gbit=1.0, latency=2e-3)
+    policy = AllGatherPolicy(bits=None)
+    for numel in (1 << 16, 1 << 18, 1 << 20):  # 768 KB to 12 MB of bf16 gathered
+        band = gather_band(6 * numel * 2)
+        free = m.estimate("allgather", numel, torch.bfloat16, policy).seconds
+        ring, a2a = (dataclasses.replace(m, gather_paths={band: p}).estimate("allgather", numel, torch.bfloat16, policy)
+                     for p in ("ring", "all_to_all"))
+        assert free == min(ring.seconds, a2a.seconds) and ring.seconds != a2a.seconds
+        assert (ring.intra_bytes, ring.inter_bytes) != (a2a.intra_bytes, a2a.inter_bytes)
+        other = dataclasses.replace(m, gather_paths={band + 1: "ring", band - 1: "all_to_all"})
+        assert other.estimate("allgather", numel, torch.bfloat16, policy).seconds == free  # other bands: free
+
+
+def test_gather_paths_checked_and_kept_in_files():
+    m = dataclasses.replace(synthetic(6, 2), gather_paths={11: "ring", 10: "all_to_all"})
+    d = json.loads(json.dumps(m.to_dict()))
+    assert d["gather_paths"] == {"10": "all_to_all", "11": "ring"}
+    again = CostModel.from_dict(d)
+    assert again.gather_paths == {10: "all_to_all", 11: "ring"} and again.fingerprint() == m.fingerprint()
+    assert dataclasses.replace(m, gather_paths={11: "all_to_all"}).fingerprint() != m.fingerprint()
+    d.pop("gather_paths")  # a file from before: no band's path known
+    assert CostModel.from_dict(d).gather_paths == {}
+    for bad in ({0: "ring"}, {"10": "ring"}, {10: "tree"}, {True: "ring"}):
+        with pytest.raises(ValueError, match="gather_paths"):
+            dataclasses.replace(m, gather_paths=bad)
+    with pytest.raises(ValueError, match="gather_paths"):
+        CostModel.from_dict(dict(d, gather_paths={"262144-1048576": {"path": "ring"}}))
+
+
 def test_calibration_applies_per_collective_and_kind():
     cal = {"allgather/uncompressed": Calibration(0.001, 2.0), "all_reduce/quantized 2-hop": Calibration(0.0, 0.5),
            "reduce_scatter/quantized flat": Calibration(0.002, 1.5)}
@@ -798,7 +832,11 @@ def _probe(rank, world, budget):
         s = qcoll.stats()["reduce_scatter"]
         p = m.predict("reduce_scatter", 3000, torch.float32, policy)
         counted[hierarchical] = ((s["intra_bytes"], s["inter_bytes"]), (p.intra_bytes, p.inter_bytes))
-    out = (m.to_dict(), elapsed, again, cached_s, counted, probe_stats)
+    # The model holds the all-gather path the transport chose for each band the probe met.
+    from qcoll._torch_transport import gather_band
+
+    chosen = {gather_band(high): d["path"] for (_, high), d in g.gather_paths.items()}
+    out = (m.to_dict(), elapsed, again, cached_s, counted, probe_stats, chosen)
     g.close()
     return out
 
@@ -808,8 +846,10 @@ def test_probe_bounded_agreed_cached():
     results = run_ranks(4, _probe, budget, timeout=180)
     first = results[0][0]
     assert first["source"] == "probe" and first["world"] == 4 and first["node_size"] == NODE_SIZE
-    for model, elapsed, same, cached_s, counted, probe_stats in results:
+    for model, elapsed, same, cached_s, counted, probe_stats, chosen in results:
         assert model == first  # every rank holds identical numbers
+        # 2 x 2 spans nodes: its 512 KB calibration calls (past 256 KB gathered) meet a band
+        assert chosen and model["gather_paths"] == {str(b): p for b, p in chosen.items()}, (chosen, model)
         assert all(not any(c.values()) for c in probe_stats.values()), probe_stats
         # Bounded: a next size only where its forecast ends within the budget; the first
         # sizes always run (the rates' smallest, one calibration size per collective: about
