@@ -107,9 +107,9 @@ class Bench:
         quick_calls = self.allsum([float(per_round < 0.02 * len(fns))], op=dist.ReduceOp.MIN)[0]
         repeats = self.cfg["repeats"] * (4 if quick_calls else 1)
         per_turn = max(1, calls_per_turn) if quick_calls else 1
-        if min_seconds > 0:  # agreed: the slowest rank's forecast, from the fastest warm-up
+        if min_seconds > 0 and rounds:  # agreed: the slowest rank's forecast, from the fastest warm-up
             # round (the first carries first-use costs: at 1 MB it forecast 2-3x the turns' time)
-            forecast = self.allsum([min(rounds, default=per_round) * per_turn], op=dist.ReduceOp.MAX)[0]
+            forecast = self.allsum([min(rounds) * per_turn], op=dist.ReduceOp.MAX)[0]
             repeats = max(repeats, min(8 * self.cfg["repeats"], math.ceil(min_seconds / max(forecast, 1e-9))))
         times = {k: [] for k in fns}
         tx = dict.fromkeys(fns, 0)

@@ -421,11 +421,14 @@ def _calibration(group, model: cm.CostModel, device: torch.device, deadline: flo
                 # Fewer timed calls before no point: a prediction past a collective's last
                 # point runs along its last segment, and from 2 or 8 MB that missed 64 MB
                 # calls by 35-56% (auto suite 12-04 09:27, a probe that ended 2-3 s inside
-                # its budget with the reduce-scatter's larger sizes left out).
-                repeats = min(repeats, _FEWEST_REPEATS)
-                if not _fits(group, device, deadline, s.forecast_s(growth, repeats)):
+                # its budget with the reduce-scatter's larger sizes left out). Not for short
+                # calls (bimodal: their 11 are the fewest that place a point) nor where the
+                # count is already the fewest.
+                if not _FEWEST_REPEATS < repeats <= cm._CALIBRATION_REPEATS \
+                        or not _fits(group, device, deadline, s.forecast_s(growth, _FEWEST_REPEATS)):
                     active.remove(collective)
                     continue
+                repeats = _FEWEST_REPEATS
             t0 = time.monotonic()
             measured = _calibration_times(collective, group, s.calls, nbytes, device, repeats)
             s.step_s, s.step_repeats = time.monotonic() - t0, repeats
@@ -455,7 +458,7 @@ def _calibration(group, model: cm.CostModel, device: torch.device, deadline: flo
     # The points' estimates again, now with the all-gather path the transport measured for
     # each size band (its first gather, during these calls): a prediction takes that path,
     # so the points it runs through must too.
-    fitting = dataclasses.replace(model, gather_paths=measured_gather_paths(group))
+    fitting = dataclasses.replace(model, gather_paths=measured_gather_paths(group, device))
     out = {}
     for collective, s in series.items():
         estimates = [_estimates(collective, group, fitting, s.calls, nbytes) for nbytes in s.sizes]
@@ -465,9 +468,12 @@ def _calibration(group, model: cm.CostModel, device: torch.device, deadline: flo
     return out
 
 
-def measured_gather_paths(group) -> dict:
+def measured_gather_paths(group, device: torch.device) -> dict:
     """CostModel.gather_paths from the group's transport (Group.gather_paths: agreed by
-    every rank when chosen); none where it measures no paths."""
+    every rank when chosen); none where it measures no paths, and none for a model of GPU
+    calls (the host's bands are not theirs)."""
+    if device.type != "cpu":
+        return {}
     described = getattr(group, "gather_paths", None) or {}
     return {gather_band(high): d["path"] for (_, high), d in described.items()}
 
@@ -492,4 +498,4 @@ def probe(group, device: torch.device, budget_s: float) -> cm.CostModel:
     if group.size == 1:
         return model
     calibration = _calibration(group, model, device, start + budget_s)
-    return dataclasses.replace(model, calibration=calibration, gather_paths=measured_gather_paths(group))
+    return dataclasses.replace(model, calibration=calibration, gather_paths=measured_gather_paths(group, device))

@@ -225,7 +225,12 @@ class Calibration:
 
 
 def _bands(paths: dict) -> dict:
-    """A file's gather_paths (JSON keys are strings) with int bands."""
+    """A file's gather_paths (JSON keys are strings) with int bands. The auto suite's records
+    before the field kept the transport's trials under this key ({"low-high": {"path": ...,
+    "measured_s": ...}}, Group.gather_paths): read as the bands' paths they chose."""
+    if isinstance(paths, dict) and all(isinstance(b, str) and "-" in b and isinstance(d, dict) and "path" in d
+                                       for b, d in paths.items()):
+        return {gather_band(int(b.split("-")[1])): d["path"] for b, d in paths.items()}
     if not isinstance(paths, dict) or not all(isinstance(b, str) and b.isdigit() for b in paths):
         raise ValueError(f"CostModel.gather_paths in a file maps size bands (digits) to paths, got {paths!r}")
     return {int(band): path for band, path in paths.items()}
@@ -453,8 +458,9 @@ class CostModel:
         plan = _C.plan_all_gather(self.world, n, _dtype_code(dtype), wire, group_size, headers)
         fmt = format_of(wire)
         # Both go through the transport's all-gather: raw values, or the encoded slots; on
-        # CPU (gloo) an all-to-all, or past a size over nodes of several ranks the faster of
-        # it and the ring (the transport measures which), else a ring.
+        # CPU (gloo) an all-to-all, or past a size over nodes of several ranks the path the
+        # transport measured faster for the size band (gather_paths; unknown: the faster at
+        # the rates), else a ring.
         # Quantized: encode mine, decode all.
         kernel = 0.0 if fmt is None else self._kernel(fmt, n, self.world * n)
         sent = n * dtype.itemsize if fmt is None else plan.chunk  # what the transport is handed
@@ -466,7 +472,9 @@ class CostModel:
             # The band's measured path where known: by the rates' faster, a 1 MB all-gather on
             # 3 x 2 at 1 Gbit/s took the ring (8 MB and up did) where the transport had
             # measured the all-to-all faster, and its time interpolated between a 512 KB
-            # point of one path and a 2 MB point of the other: 30% under in every auto run.
+            # point of one path and a 2 MB point of the other: 24-33% under in every auto run.
+            # (From 4 ranks a node the two paths' bytes differ enough that a band's measured
+            # path can make the estimate fall with the size; not on 2 x 2 or 3 x 2.)
             known = self.gather_paths.get(gather_band(self.world * sent))
             paths = {None: [by_ring, by_all_to_all], "ring": [by_ring], "all_to_all": [by_all_to_all]}[known]
         else:

@@ -38,7 +38,33 @@ def test_rotated_turns_give_every_call_every_place():
 
 def test_min_seconds_adds_rounds_up_to_eight_times_the_repeats():
     # Calls of about nothing: a floor of 10 s wants far more rounds than the cap allows, 8 x
-    # 1 repeat, rotated up to 9; a floor of a microsecond changes nothing (6, as above).
-    for min_seconds, expected in ((10.0, 9), (1e-6, 6)):
+    # 1 repeat, rotated up to 9; a floor of a nanosecond changes nothing (6, as above).
+    for min_seconds, expected in ((10.0, 9), (1e-9, 6)):
         (rounds, counts), = run_ranks(1, _orders, True, min_seconds)
         assert len(rounds) == expected and counts == dict.fromkeys("abc", expected)
+
+
+def _first_call_slow(rank, world):
+    sys.path.insert(0, BENCH)
+    import time
+    from suites._worker import Bench
+
+    calls = []
+
+    def slow_once():
+        calls.append(1)
+        if len(calls) == 1:  # first use (allocations, a band's path trials): 0.2 s
+            time.sleep(0.2)
+
+    fns = {"a": slow_once, "b": lambda: None, "c": lambda: None}
+    cfg = dict(world=world, node_size=1, device="cpu", warmup=2, repeats=1)
+    timed = Bench(cfg, rank).time_interleaved(fns, rotate=True, min_seconds=0.05)
+    return {k: len(v["times_s"]) for k, v in timed.items()}
+
+
+def test_min_seconds_forecast_from_the_fastest_warm_up_round():
+    # The first warm-up round takes 0.2 s, the second about nothing: forecast from the
+    # fastest, a 0.05 s floor wants the cap (8 rounds, rotated 9); from their mean (0.1 s a
+    # round) it would want 1 (rotated 3).
+    counts, = run_ranks(1, _first_call_slow)
+    assert counts == dict.fromkeys("abc", 9), counts

@@ -515,7 +515,7 @@ def test_calibration_measures_again_only_within_the_budget(monkeypatch):
 
 
 def test_all_gather_priced_by_the_band_path_the_transport_took():
-    # 3 x 2 at 1 Gbit/s across: by the rates, which path is faster changes with the size;
+    # 3 x 2 at 1 Gbit/s across: by these rates the ring is the faster at every size here;
     # where the model holds a band's measured path it prices that one, whichever is faster.
     from qcoll._torch_transport import gather_band
 
@@ -545,7 +545,11 @@ def test_gather_paths_checked_and_kept_in_files():
         with pytest.raises(ValueError, match="gather_paths"):
             dataclasses.replace(m, gather_paths=bad)
     with pytest.raises(ValueError, match="gather_paths"):
-        CostModel.from_dict(dict(d, gather_paths={"262144-1048576": {"path": "ring"}}))
+        CostModel.from_dict(dict(d, gather_paths={"10": "ring", "262144-1048576": {"path": "ring"}}))
+    # The auto suite's records before the field: the transport's trials under this key.
+    trials = {"262144-1048576": {"path": "all_to_all", "measured_s": {"ring": 0.01, "all_to_all": 0.007}},
+              "1048576-4194304": {"path": "ring", "measured_s": {"ring": 0.016, "all_to_all": 0.027}}}
+    assert CostModel.from_dict(dict(d, gather_paths=trials)).gather_paths == {10: "all_to_all", 11: "ring"}
 
 
 def test_calibration_applies_per_collective_and_kind():
