@@ -173,7 +173,8 @@ def table(result: dict) -> list:
         if paths:
             lines.append("  all-gathers by " + ", ".join(
                 f"{human_bytes(int(band.split('-')[0]))}-{human_bytes(int(band.split('-')[1]))}: {d['path']} "
-                f"({d['measured_s']['ring'] * 1e3:.1f} / {d['measured_s']['all_to_all'] * 1e3:.1f} ms)"
+                + ("(the cost model's)" if d["measured_s"] is None else
+                   f"({d['measured_s']['ring'] * 1e3:.1f} / {d['measured_s']['all_to_all'] * 1e3:.1f} ms)")
                 for band, d in paths.items()))
     lines.append(f"{'topo':5}{'link':>12} {'collective':15}{'size':>8} | {'uncompr. ms (pred)':>19} "
                  f"{'quantized ms (pred)':>20} {'auto ms':>9} {'auto/best':>9}  choice")

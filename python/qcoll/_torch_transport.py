@@ -5,6 +5,7 @@ by (buffer id, byte offset)."""
 
 from __future__ import annotations
 
+import collections.abc
 import time
 
 import torch
@@ -58,6 +59,16 @@ def measures_gather_path(size: int, node_size: int, gathered_bytes: int) -> bool
 GATHER_PATHS = ("ring", "all_to_all")
 
 
+def check_gather_paths(paths, what: str) -> dict:
+    """paths ({size band: one of GATHER_PATHS}) as a dict sorted by band; ValueError naming
+    `what` otherwise."""
+    if not isinstance(paths, collections.abc.Mapping) or any(
+            isinstance(band, bool) or not isinstance(band, int) or band < 1 or path not in GATHER_PATHS
+            for band, path in paths.items()):
+        raise ValueError(f"{what} maps size bands (ints >= 1) to one of {GATHER_PATHS}; got {paths!r}")
+    return dict(sorted(paths.items()))
+
+
 def gather_band(gathered_bytes: int) -> int:
     """The size band k of a gather: gathered bytes in (4^(k-1), 4^k]."""
     return (max(1, gathered_bytes) - 1).bit_length() + 1 >> 1
@@ -78,19 +89,34 @@ class GatherPaths:
     2 MB, where 8 MB took 32). Every rank runs the same gathers and holds the same choice;
     results are identical either way (a gather moves bytes unchanged). Only a band's first
     gather pays: 3 gathers more than the call's one, and a 16-byte all-reduce (neither
-    counted in qcoll.stats())."""
+    counted in qcoll.stats()). A band the group's cost model names is gathered by the
+    model's path instead, untimed (adopt), so that the model prices the path its calls take."""
 
     def __init__(self):
-        # band -> (by all-to-all, ring s, all-to-all s): one record, set at once, so that
-        # a reader on another thread never sees half of it.
+        # band -> (by all-to-all, ring s, all-to-all s), the times None where adopted: one
+        # record, set at once, so that a reader on another thread never sees half of it.
         self.chosen = {}
 
     def describe(self) -> dict:
         """{(low, high): {"path": "all_to_all" | "ring", "measured_s": {"ring": s,
-        "all_to_all": s}}} for gathered bytes in (low, high]."""
+        "all_to_all": s}}} for gathered bytes in (low, high]; "measured_s" None for a band
+        whose path was adopted from the cost model (adopt)."""
         return {band_bounds(band): {"path": GATHER_PATHS[int(by_all_to_all)],
-                                    "measured_s": {"ring": ring, "all_to_all": all_to_all}}
+                                    "measured_s": None if ring is None else {"ring": ring, "all_to_all": all_to_all}}
                 for band, (by_all_to_all, ring, all_to_all) in sorted(dict(self.chosen).items())}
+
+    def adopt(self, paths: dict) -> list:
+        """Take {band: "ring" | "all_to_all"} (CostModel.gather_paths) as the bands' paths,
+        measured or not: the bands whose path changed. The caller keeps every rank's choices
+        the same: all ranks adopt the same paths at the same point between calls."""
+        changed = []
+        for band, path in paths.items():
+            by_all_to_all = GATHER_PATHS.index(path) == 1
+            known = self.chosen.get(band)
+            if known is None or known[0] != by_all_to_all:
+                self.chosen[band] = (by_all_to_all, None, None)
+                changed.append(band)
+        return changed
 
     def choose(self, gather, agree, band: int) -> bool:
         """gather(by_all_to_all) runs the gather once; agree(tensor) all-reduces it (MAX)
@@ -262,14 +288,22 @@ class ProcessGroupTransport:
         for work in works:
             work.wait()
 
+    def adopt_gather_paths(self, paths: dict) -> None:
+        """Gather the size bands `paths` names (CostModel.gather_paths) by its paths, without
+        trials (GatherPaths.adopt: every rank at the same point between calls)."""
+        for band in self.gather_paths.adopt(paths):
+            self._log_choice(band)
+
     def _log_choice(self, band: int):
         if self.rank != 0 or not _log.enabled("transport"):
             return
         by_all_to_all, ring, all_to_all = self.gather_paths.chosen[band]
         low, high = band_bounds(band)
         path = "the all-to-all" if by_all_to_all else "gloo's ring"
+        why = ("the group's cost model" if ring is None
+               else f"measured: ring {ring * 1e3:.2f} ms, all-to-all {all_to_all * 1e3:.2f} ms")
         _log.emit(f"qcoll transport: all-gathers of ({low >> 10}, {high >> 10}] KB over {self.label} by "
-                  f"{path} (measured: ring {ring * 1e3:.2f} ms, all-to-all {all_to_all * 1e3:.2f} ms)")
+                  f"{path} ({why})")
 
     def _all_reduce(self, values, reduce):
         """values all-reduced in place over the ProcessGroup."""

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from . import _log
 from ._runtime import call
-from .cost import cost_model
+from .cost import model_for_calls
 from .group import resolve_group
 from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
 
@@ -204,7 +204,7 @@ def _decide(kind: str, g, device, numel: int, dtype, configured, make_candidates
     if description not in decisions:
         _agree(g, description, device)
         candidates = make_candidates()
-        model = cost_model(g, device=device)
+        model = model_for_calls(g, device)
         times = [model.predict(_MODEL_KIND[kind], numel, dtype, c).seconds for c in candidates]
         options = [(label(kind, c, model), t) for c, t in zip(candidates, times)]
         mine = label(kind, configured, model)  # the configured call's own path and stages

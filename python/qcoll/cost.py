@@ -56,7 +56,7 @@ from ._runtime import call
 from ._formats import FORMATS, RAW_CODE, format_code, format_of
 from .policy import (AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy, host_all_reduce_tail_apart,
                      unquantized_host_all_reduce)
-from ._torch_transport import GATHER_PATHS, gather_band, measures_gather_path
+from ._torch_transport import check_gather_paths, gather_band, measures_gather_path
 
 RAW = "raw"  # the kernel-rate key of unquantized hops (copy to send, fp32 add to reduce)
 COLLECTIVES = ("allgather", "reduce_scatter", "all_reduce")
@@ -285,11 +285,7 @@ class CostModel:
         if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) or not 0 <= self.overlap <= 1:
             raise ValueError(f"CostModel.overlap must be a number from 0 to 1, got {self.overlap!r}")
         object.__setattr__(self, "overlap", float(self.overlap))  # 1 and 1.0: one fingerprint
-        for band, path in self.gather_paths.items():
-            if isinstance(band, bool) or not isinstance(band, int) or band < 1 or path not in GATHER_PATHS:
-                raise ValueError(f"CostModel.gather_paths maps size bands (ints >= 1) to one of {GATHER_PATHS}; "
-                                 f"got {band!r}: {path!r}")
-        object.__setattr__(self, "gather_paths", dict(sorted(self.gather_paths.items())))
+        object.__setattr__(self, "gather_paths", check_gather_paths(self.gather_paths, "CostModel.gather_paths"))
         missing = [f for f in _PROBE_FORMATS if not isinstance(self.kernels.get(f), KernelRate)]
         if missing:
             raise ValueError(f"CostModel.kernels needs a KernelRate for every format {list(_PROBE_FORMATS)}; "
@@ -652,7 +648,29 @@ def cost_model(group=None, *, device="cpu", model=None, path: Optional[str] = No
         raise ValueError(f"qcoll.cost_model: the ranks' cost models disagree or do not fit the group of "
                          f"{g.size} ranks, {g.node_size} per node, on {dev.type}:\n{lines}")
     cache[dev.type] = given
+    _transport_follows(g, dev, given)
     return given
+
+
+def model_for_calls(group, device: torch.device) -> CostModel:
+    """cost_model(group, device=device) for deciding calls, the group's transport set to
+    gather by the model's paths (_transport_follows). Only where every rank of the group
+    reaches it at the same point between its calls (policy="auto" at a call description's
+    first, agreed, meeting): unlike cost_model's cached answer, it changes the group."""
+    model = cost_model(group, device=device)
+    from .group import resolve_group
+
+    _transport_follows(resolve_group(group), torch.device(device), model)
+    return model
+
+
+def _transport_follows(g, dev: torch.device, model: CostModel) -> None:
+    """The group's host all-gathers take the paths the model prices (model.gather_paths,
+    from the probe's group: a model shared with another group of the same ranks, or loaded
+    from a file, would otherwise price paths that group's transport times again and may
+    choose otherwise)."""
+    if dev.type == "cpu":
+        g.adopt_gather_paths(model.gather_paths)
 
 
 def _check_device(device) -> torch.device:

@@ -24,7 +24,7 @@ from ._device import on_gpu
 from ._process_groups import destroy_remaining, new_process_group
 from ._runtime.streams import CudaCalls
 from ._runtime.worker import CallQueue
-from ._torch_transport import ProcessGroupTransport, SelfTransport
+from ._torch_transport import ProcessGroupTransport, SelfTransport, check_gather_paths
 
 BACKENDS = ("nccl", "torch")
 _live_groups: "weakref.WeakSet[Group]" = weakref.WeakSet()  # for qcoll.destroy()
@@ -167,10 +167,24 @@ class Group:
         """How this group's gloo transport gathers the size bands it chose by measuring
         (past 256 KB gathered, over nodes of several ranks): {(low, high): {"path":
         "all_to_all" or "ring", "measured_s": {"ring": s, "all_to_all": s}}} for gathered
-        bytes in (low, high], the agreed (slowest rank's) times; the same on every rank
+        bytes in (low, high], the agreed (slowest rank's) times ("measured_s" None for a
+        band taken from the group's cost model: adopt_gather_paths); the same on every rank
         once no call is in flight."""
         paths = getattr(self._transport, "gather_paths", None)
         return {} if paths is None else paths.describe()
+
+    def adopt_gather_paths(self, paths: dict) -> None:
+        """Gather host tensors of each size band in `paths` ({band: "ring" | "all_to_all"},
+        CostModel.gather_paths) by that path from now on, without the band's trials: the
+        group's cost model then prices the path its all-gathers take (a model loaded from a
+        file, or shared with another group of the same ranks, holds its own probe's paths).
+        Collective: every rank, at the same point between its calls on the group (after
+        them: the queued calls run first)."""
+        paths = check_gather_paths(paths, "adopt_gather_paths: paths")
+        adopt = getattr(self._transport, "adopt_gather_paths", None)
+        if adopt is not None and paths:
+            self._calls.drain()  # the queued calls' gathers first: their bands as they were
+            adopt(paths)
 
     def communicator(self, device: torch.device):
         """The C++ communicator for a call on `device`."""

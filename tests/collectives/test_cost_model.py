@@ -552,6 +552,77 @@ def test_gather_paths_checked_and_kept_in_files():
     assert CostModel.from_dict(dict(d, gather_paths=trials)).gather_paths == {10: "all_to_all", 11: "ring"}
 
 
+# The model's paths for four size bands past the limit ((256 KB, 1 MB] ... (16 MB, 64 MB]),
+# each other than what the transport would have to measure.
+MODEL_PATHS = {10: "ring", 11: "all_to_all", 12: "ring", 13: "all_to_all"}
+
+
+def _follows_model(rank, world):
+    """A group given a model with gather paths, then a sibling group of the same ranks (the
+    cached model, through policy="auto"), then a group without a model: per gather, how it
+    was posted and whether it landed; the trial gathers run; each group's gather_paths."""
+    from qcoll import _torch_transport as tt
+    from tests.collectives.test_transport_all_gather import _recording
+
+    trials, seen = [], []
+    real_timed = tt._timed
+    tt._timed = lambda gather, by_all_to_all: (trials.append(by_all_to_all), real_timed(gather, by_all_to_all))[1]
+    restore = _recording(seen)
+    out = {}
+    try:
+        g = qcoll.new_group(node_size=NODE_SIZE)
+        qcoll.cost_model(g, model=dataclasses.replace(synthetic(world), gather_paths=MODEL_PATHS))
+        limit = tt.ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES
+        for numel in (limit // 4 // world + 5, 4 * limit // 4 // world + 3):  # bands 10 and 11, fp32
+            base = torch.arange(world * numel, dtype=torch.float32)
+            full = torch.full((world * numel,), float("nan"))
+            before = len(seen)
+            qcoll.quantized_allgather(full, base[rank * numel:(rank + 1) * numel].clone(), g, bits=None)
+            through = sorted({how for _, b, how in seen[before:] if b >= numel * 4})
+            out[tt.gather_band(world * numel * 4)] = (through, torch.equal(full, base))
+        out["trials_given"] = list(trials)
+        sibling = qcoll.new_group(node_size=NODE_SIZE)
+        x = torch.randn(1 << 18)  # 1 MB a rank of fp32: 4 MB gathered uncompressed, 1 MB as int8
+        qcoll.quantized_allgather(torch.empty(world * x.numel()), x, sibling, bits=8, policy="auto")
+        out["trials_sibling"] = list(trials)
+        fresh = qcoll.new_group(node_size=NODE_SIZE)  # no model: its first gather of a band measures
+        qcoll.quantized_allgather(torch.empty(world * x.numel()), x, fresh, bits=None)
+        out["trials_fresh"] = list(trials)
+        out["paths"] = [grp.gather_paths for grp in (g, sibling, fresh)]
+        try:
+            g.adopt_gather_paths({10: "tree"})
+        except ValueError as exc:
+            out["bad"] = str(exc)
+        for grp in (g, sibling, fresh):
+            grp.close()
+    finally:
+        restore()
+        tt._timed = real_timed
+    return out
+
+
+def test_transport_gathers_by_the_models_paths():
+    """A group's host all-gathers take the paths its cost model prices (the model's bands,
+    untimed), so that a model given, loaded, or shared by a sibling group is one with what
+    runs; a group without one still measures."""
+    from qcoll._torch_transport import band_bounds
+
+    results = run_ranks(4, _follows_model, timeout=180)
+    for out in results:
+        assert out[10] == ([], True), out[10]  # the ring: not the all-to-all pattern's posting
+        assert out[11] == (["pairs"], True), out[11]  # the all-to-all, past 1 MB as pairs
+        assert out["trials_given"] == [] and out["trials_sibling"] == [], out
+        assert out["trials_fresh"] == [False, True, True, False], out["trials_fresh"]
+        given, sibling, fresh = out["paths"]
+        expected = {band_bounds(b): {"path": p, "measured_s": None} for b, p in MODEL_PATHS.items()}
+        assert given == expected and sibling == expected, (given, sibling)
+        ((bounds, chosen),) = fresh.items()
+        assert bounds == band_bounds(11) and chosen["measured_s"] is not None, fresh
+    assert all(out["paths"] == results[0]["paths"] for out in results)  # agreed: the same on every rank
+    assert "adopt_gather_paths: paths" in results[0].get("bad", ""), results[0].get("bad")
+
+
+
 def test_calibration_applies_per_collective_and_kind():
     cal = {"allgather/uncompressed": Calibration(0.001, 2.0), "all_reduce/quantized 2-hop": Calibration(0.0, 0.5),
            "reduce_scatter/quantized flat": Calibration(0.002, 1.5)}
