@@ -290,8 +290,13 @@ class ProcessGroupTransport:
 
     def adopt_gather_paths(self, paths: dict) -> None:
         """Gather the size bands `paths` names (CostModel.gather_paths) by its paths, without
-        trials (GatherPaths.adopt: every rank at the same point between calls)."""
-        for band in self.gather_paths.adopt(paths):
+        trials (GatherPaths.adopt: every rank at the same point between calls); only bands
+        this transport chooses a path for (others it never measures, whatever a model says)."""
+        if self.gather_pg is None:
+            return
+        ours = {band: path for band, path in paths.items()
+                if measures_gather_path(self.size, self.node_size, band_bounds(band)[1])}
+        for band in self.gather_paths.adopt(ours):
             self._log_choice(band)
 
     def _log_choice(self, band: int):

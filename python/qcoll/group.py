@@ -164,8 +164,8 @@ class Group:
     # ---- transports --------------------------------------------------------------------
     @property
     def gather_paths(self) -> dict:
-        """How this group's gloo transport gathers the size bands it chose by measuring
-        (past 256 KB gathered, over nodes of several ranks): {(low, high): {"path":
+        """How this group's gloo transport gathers the size bands it chose by measuring or
+        took from its cost model (past 256 KB gathered, over nodes of several ranks): {(low, high): {"path":
         "all_to_all" or "ring", "measured_s": {"ring": s, "all_to_all": s}}} for gathered
         bytes in (low, high], the agreed (slowest rank's) times ("measured_s" None for a
         band taken from the group's cost model: adopt_gather_paths); the same on every rank
@@ -178,13 +178,13 @@ class Group:
         CostModel.gather_paths) by that path from now on, without the band's trials: the
         group's cost model then prices the path its all-gathers take (a model loaded from a
         file, or shared with another group of the same ranks, holds its own probe's paths).
-        Collective: every rank, at the same point between its calls on the group (after
-        them: the queued calls run first)."""
+        Bands the transport never measures (up to 256 KB gathered, a group within one
+        node) are left out. Collective: every rank, at the same point among its calls on the
+        group; it runs as one of them (after the calls queued before it, before any after)."""
         paths = check_gather_paths(paths, "adopt_gather_paths: paths")
         adopt = getattr(self._transport, "adopt_gather_paths", None)
         if adopt is not None and paths:
-            self._calls.drain()  # the queued calls' gathers first: their bands as they were
-            adopt(paths)
+            self._calls.call(lambda: adopt(paths), "adopt the cost model's gather paths")
 
     def communicator(self, device: torch.device):
         """The C++ communicator for a call on `device`."""

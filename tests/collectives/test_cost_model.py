@@ -553,8 +553,8 @@ def test_gather_paths_checked_and_kept_in_files():
 
 
 # The model's paths for four size bands past the limit ((256 KB, 1 MB] ... (16 MB, 64 MB]),
-# each other than what the transport would have to measure.
-MODEL_PATHS = {10: "ring", 11: "all_to_all", 12: "ring", 13: "all_to_all"}
+# and one within it (band 5, up to 1 KB gathered), which no transport measures: left out.
+MODEL_PATHS = {5: "ring", 10: "ring", 11: "all_to_all", 12: "ring", 13: "all_to_all"}
 
 
 def _follows_model(rank, world):
@@ -589,6 +589,18 @@ def _follows_model(rank, world):
         qcoll.quantized_allgather(torch.empty(world * x.numel()), x, fresh, bits=None)
         out["trials_fresh"] = list(trials)
         out["paths"] = [grp.gather_paths for grp in (g, sibling, fresh)]
+        # A band the group measured, switched by a model given later that holds the other path.
+        measured = fresh.gather_paths[tt.band_bounds(11)]["path"]
+        other = "ring" if measured == "all_to_all" else "all_to_all"
+        qcoll.cost_model(fresh, model=dataclasses.replace(synthetic(world), gather_paths={11: other}))
+        numel = 4 * limit // 4 // world + 3
+        base = torch.arange(world * numel, dtype=torch.float32)
+        full = torch.full((world * numel,), float("nan"))
+        before = len(seen)
+        qcoll.quantized_allgather(full, base[rank * numel:(rank + 1) * numel].clone(), fresh, bits=None)
+        through = sorted({how for _, b, how in seen[before:] if b >= numel * 4})
+        out["switched"] = (other, through, torch.equal(full, base), fresh.gather_paths[tt.band_bounds(11)],
+                           len(trials) == len(out["trials_fresh"]))
         try:
             g.adopt_gather_paths({10: "tree"})
         except ValueError as exc:
@@ -614,11 +626,15 @@ def test_transport_gathers_by_the_models_paths():
         assert out["trials_given"] == [] and out["trials_sibling"] == [], out
         assert out["trials_fresh"] == [False, True, True, False], out["trials_fresh"]
         given, sibling, fresh = out["paths"]
-        expected = {band_bounds(b): {"path": p, "measured_s": None} for b, p in MODEL_PATHS.items()}
+        expected = {band_bounds(b): {"path": p, "measured_s": None} for b, p in MODEL_PATHS.items() if b >= 10}
         assert given == expected and sibling == expected, (given, sibling)
         ((bounds, chosen),) = fresh.items()
         assert bounds == band_bounds(11) and chosen["measured_s"] is not None, fresh
     assert all(out["paths"] == results[0]["paths"] for out in results)  # agreed: the same on every rank
+    for out in results:
+        other, through, landed, shown, no_trials = out["switched"]
+        assert through == (["pairs"] if other == "all_to_all" else []) and landed and no_trials, out["switched"]
+        assert shown == {"path": other, "measured_s": None}, shown
     assert "adopt_gather_paths: paths" in results[0].get("bad", ""), results[0].get("bad")
 
 
