@@ -469,8 +469,9 @@ class CostModel:
             # 3 x 2 at 1 Gbit/s took the ring (8 MB and up did) where the transport had
             # measured the all-to-all faster, and its time interpolated between a 512 KB
             # point of one path and a 2 MB point of the other: 24-33% under in every auto run.
-            # (From 4 ranks a node the two paths' bytes differ enough that a band's measured
-            # path can make the estimate fall with the size; not on 2 x 2 or 3 x 2.)
+            # (A band's measured path can make the estimate fall with the size where the
+            # all-to-all's band is followed by a ring band: a synthetic 1 Gbit/s model does
+            # so even on 2 x 2; the probes' models on 2 x 2 and 3 x 2 so far rise with it.)
             known = self.gather_paths.get(gather_band(self.world * sent))
             paths = {None: [by_ring, by_all_to_all], "ring": [by_ring], "all_to_all": [by_all_to_all]}[known]
         else:

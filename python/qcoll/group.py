@@ -165,8 +165,9 @@ class Group:
     @property
     def gather_paths(self) -> dict:
         """How this group's gloo transport gathers the size bands it chose by measuring or
-        took from its cost model (past 256 KB gathered, over nodes of several ranks): {(low, high): {"path":
-        "all_to_all" or "ring", "measured_s": {"ring": s, "all_to_all": s}}} for gathered
+        took from its cost model (past 256 KB gathered, over nodes of several ranks):
+        {(low, high): {"path": "all_to_all" or "ring", "measured_s": {"ring": s,
+        "all_to_all": s}}} for gathered
         bytes in (low, high], the agreed (slowest rank's) times ("measured_s" None for a
         band taken from the group's cost model: adopt_gather_paths); the same on every rank
         once no call is in flight."""

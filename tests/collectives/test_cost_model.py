@@ -582,24 +582,25 @@ def _follows_model(rank, world):
             out[tt.gather_band(world * numel * 4)] = (through, torch.equal(full, base))
         out["trials_given"] = list(trials)
         sibling = qcoll.new_group(node_size=NODE_SIZE)
-        x = torch.randn(1 << 18)  # 1 MB a rank of fp32: 4 MB gathered uncompressed, 1 MB as int8
+        x = torch.randn(1 << 18)  # 1 MB a rank of fp32: 4-6 MB gathered uncompressed, 1-1.5 MB as int8
         qcoll.quantized_allgather(torch.empty(world * x.numel()), x, sibling, bits=8, policy="auto")
         out["trials_sibling"] = list(trials)
         fresh = qcoll.new_group(node_size=NODE_SIZE)  # no model: its first gather of a band measures
         qcoll.quantized_allgather(torch.empty(world * x.numel()), x, fresh, bits=None)
         out["trials_fresh"] = list(trials)
+        band = out["fresh_band"] = tt.gather_band(world * x.numel() * 4)
         out["paths"] = [grp.gather_paths for grp in (g, sibling, fresh)]
         # A band the group measured, switched by a model given later that holds the other path.
-        measured = fresh.gather_paths[tt.band_bounds(11)]["path"]
+        measured = fresh.gather_paths[tt.band_bounds(band)]["path"]
         other = "ring" if measured == "all_to_all" else "all_to_all"
-        qcoll.cost_model(fresh, model=dataclasses.replace(synthetic(world), gather_paths={11: other}))
-        numel = 4 * limit // 4 // world + 3
+        qcoll.cost_model(fresh, model=dataclasses.replace(synthetic(world), gather_paths={band: other}))
+        numel = x.numel()  # past 1 MB gathered: the all-to-all as pairs
         base = torch.arange(world * numel, dtype=torch.float32)
         full = torch.full((world * numel,), float("nan"))
         before = len(seen)
         qcoll.quantized_allgather(full, base[rank * numel:(rank + 1) * numel].clone(), fresh, bits=None)
         through = sorted({how for _, b, how in seen[before:] if b >= numel * 4})
-        out["switched"] = (other, through, torch.equal(full, base), fresh.gather_paths[tt.band_bounds(11)],
+        out["switched"] = (other, through, torch.equal(full, base), fresh.gather_paths[tt.band_bounds(band)],
                            len(trials) == len(out["trials_fresh"]))
         try:
             g.adopt_gather_paths({10: "tree"})
@@ -613,13 +614,14 @@ def _follows_model(rank, world):
     return out
 
 
-def test_transport_gathers_by_the_models_paths():
+@pytest.mark.parametrize("world", [4, 6])  # 2 x 2 and 3 x 2
+def test_transport_gathers_by_the_models_paths(world):
     """A group's host all-gathers take the paths its cost model prices (the model's bands,
     untimed), so that a model given, loaded, or shared by a sibling group is one with what
     runs; a group without one still measures."""
     from qcoll._torch_transport import band_bounds
 
-    results = run_ranks(4, _follows_model, timeout=180)
+    results = run_ranks(world, _follows_model, timeout=180)
     for out in results:
         assert out[10] == ([], True), out[10]  # the ring: not the all-to-all pattern's posting
         assert out[11] == (["pairs"], True), out[11]  # the all-to-all, past 1 MB as pairs
@@ -629,7 +631,7 @@ def test_transport_gathers_by_the_models_paths():
         expected = {band_bounds(b): {"path": p, "measured_s": None} for b, p in MODEL_PATHS.items() if b >= 10}
         assert given == expected and sibling == expected, (given, sibling)
         ((bounds, chosen),) = fresh.items()
-        assert bounds == band_bounds(11) and chosen["measured_s"] is not None, fresh
+        assert bounds == band_bounds(out["fresh_band"]) and chosen["measured_s"] is not None, fresh
     assert all(out["paths"] == results[0]["paths"] for out in results)  # agreed: the same on every rank
     for out in results:
         other, through, landed, shown, no_trials = out["switched"]
