@@ -500,9 +500,10 @@ class CostModel:
                 hop2 = (*self._exchange(0, b2), self._kernel(second, nodes * length, nodes * length), 0, b2)
             elif plan.transport_reduces:  # raw: the transport's own (ring) reduce-scatter, which adds
                 bi, be = self._ring(plan.first_chunk(s))
-                if self.device == "cpu":  # gloo's takes about an all-reduce's time (auto suite, measured)
-                    bi, be = 2 * bi, 2 * be
-                hop1 = (*self._exchange(bi, be), self._kernel(first, 0, self.world * length), bi, be)
+                encoded = 0
+                if self.device == "cpu":  # gloo's is its all-reduce of a copy of the input
+                    bi, be, encoded = 2 * bi, 2 * be, self.world * length
+                hop1 = (*self._exchange(bi, be), self._kernel(first, encoded, self.world * length), bi, be)
             else:  # one all-to-all over the group: quantized, or the raw exchange
                 intra_peers, inter_peers = self._peers()
                 bi, be = intra_peers * plan.first_chunk(s), inter_peers * plan.first_chunk(s)

@@ -37,7 +37,10 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     None a bf16/fp16 result is rounded once, within half an ulp of the exact sum (or mean)
     up to fp32 summation error (gloo's and NCCL's own bf16 sums round at every step). With
     one hop (one node, or hierarchical=False) and it unquantized this is the transport's
-    own reduce-scatter, torch's same call: its own summation, in the input dtype.
+    own reduce-scatter, torch's same call: its own summation, in the input dtype (over
+    gloo, gloo's algorithm, an all-reduce of a copy of the input, in a buffer qcoll keeps
+    up to 64 MB rather than one allocated per call: the same sums, 0.64-0.78x torch's
+    time from 32 MB).
 
     error_feedback: a qcoll.ErrorFeedback kept for this input: the residual of this rank's
     previous first-hop encode is added to the input before encoding (the input itself is

@@ -57,7 +57,7 @@ def _quantized_gather(rank, world, numel, g, seen) -> tuple:
 
 
 def _gather(rank, world, sizes, keep_bytes, node_size):
-    tt._KEEP_REPLICAS_BYTES = keep_bytes
+    tt._KEEP_BUFFER_BYTES = keep_bytes
     g = qcoll.new_group(node_size=node_size)  # the flat group's transport: bits=None, bits=8
     seen = []
     restore = _recording(seen)
