@@ -419,7 +419,7 @@ def _calibration(group, model: cm.CostModel, device: torch.device, deadline: flo
             repeats, before = s.repeats(growth), (s.step_s, s.step_repeats)
             if s.measured and not _fits(group, device, deadline, s.forecast_s(growth, repeats)):
                 # Fewer timed calls before no point: a prediction past a collective's last
-                # point runs along its last segment, and from 2 or 8 MB that missed 64 MB
+                # point is extrapolated from it, and from 2 or 8 MB that missed 64 MB
                 # calls by 35-56% (auto suite 12-04 09:27, a probe that ended 2-3 s inside
                 # its budget with the reduce-scatter's larger sizes left out). Not for short
                 # calls (bimodal: their 11 are the fewest that place a point) nor where the

@@ -181,17 +181,16 @@ def test_calibration_runs_through_its_points():
         assert c.apply(e) == pytest.approx(m)
     assert c.apply(0.0025) == pytest.approx(0.009)  # linear between neighbours
     assert c.apply(0.010) == pytest.approx(0.036)
-    # Above: the last segment's slope (4.0), kept within [scale / 2, 2 x scale].
-    slope = min(max(4.0, c.scale / 2), 2 * c.scale)
-    assert c.apply(0.032) == pytest.approx(0.060 + slope * 0.016)
+    # Above: in proportion to the estimate, through the last point (measured / estimate 3.75),
+    # whatever the last segment's slope (4.0 here).
+    assert c.apply(0.032) == pytest.approx(0.060 * 2)
     flat = Calibration.fit([0.002, 0.008, 0.032], [0.002, 0.030, 0.0305])  # a slow middle point
-    assert (0.0305 - 0.030) / 0.024 < flat.scale / 2  # the last segment: nearly flat
-    assert flat.apply(0.128) == pytest.approx(0.0305 + flat.scale / 2 * 0.096)
+    assert flat.apply(0.128) == pytest.approx(0.0305 * 4)  # not the nearly flat last segment
     # Below the first point: the fitted line's shape, scaled through the first point.
     assert c.apply(0.0005) == pytest.approx(0.006 * c.line(0.0005) / c.line(0.001))
-    # A falling last segment (noise): above it, the fitted line's scale.
+    # A falling last segment (noise): above it, still the last point's ratio.
     c = Calibration.fit([0.001, 0.002], [0.010, 0.008])
-    assert c.apply(0.004) == pytest.approx(0.008 + c.scale / 2 * 0.002)
+    assert c.apply(0.004) == pytest.approx(0.016)
     # One size measured twice: one point, their mean. A single point: the line.
     c = Calibration.fit([0.001, 0.001], [0.004, 0.006])
     assert c.points == ((0.001, 0.005),) and c.apply(0.002) == pytest.approx(c.line(0.002))
