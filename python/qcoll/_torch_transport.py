@@ -173,6 +173,7 @@ class ProcessGroupTransport:
         self.size = dist.get_world_size(pg)
         self.label = label
         self.is_nccl = dist.get_backend(pg) == "nccl"
+        self.is_gloo = "gloo" in str(dist.get_backend(pg))  # gloo's host collectives (a "cpu:gloo,..." mix too)
         # The ProcessGroup's own methods where this torch has them (>= 2.9): the same
         # collectives as torch.distributed's functions without their Python wrapper, which
         # costs ~0.1 ms a call, several times per qcoll call (issue 26).
@@ -329,6 +330,10 @@ class ProcessGroupTransport:
                 setattr(self, attr, buf)
         return buf[:nbytes]
 
+    def release_buffers(self) -> None:
+        """Drops the buffers kept for the next call (the group is closing)."""
+        self._replicas = self._reduced = None
+
     def _replicated(self, send):
         """`send` once per rank, one after the other (the all-to-all's input)."""
         nbytes = self.size * send.numel() * send.element_size()
@@ -342,7 +347,7 @@ class ProcessGroupTransport:
         native_avg = op == _AVG and self.is_nccl
         reduce = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
         try:
-            if not self.is_nccl and send.device.type == "cpu":
+            if self.is_gloo and send.device.type == "cpu":
                 self._reduce_scatter_by_all_reduce(recv, send, reduce)
             elif self._direct:
                 self.pg.reduce_scatter_single(recv, send, self._options(c10d.ReduceScatterOptions, reduce)).wait()
@@ -358,9 +363,8 @@ class ProcessGroupTransport:
         a copy of the input, then this rank's part), in a buffer kept for the next call
         rather than one allocated per call: the same sums, bit for bit, without the page
         faults of a fresh buffer of the input's size (from 32 MB glibc maps one per call).
-        Its time at 4 / 6 ranks, bf16, one thread per rank: 0.68-0.96 / 0.75-0.94x of
-        torch's call from 1 MB, 0.68-0.75x at 32-64 MB on 4 ranks
-        (bench/results/probe-gloo-reduce-scatter-cpu.txt)."""
+        At 32 and 64 MB on 4 and 6 ranks, bf16 and fp32, one thread per rank: 0.65-0.78x
+        torch's call's time; about 1x below (bench/results/probe-gloo-reduce-scatter-cpu.txt)."""
         values = self._kept("_reduced", send.numel() * send.element_size()).view(send.dtype)
         values.copy_(send)
         self._all_reduce(values, reduce)

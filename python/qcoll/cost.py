@@ -356,7 +356,8 @@ class CostModel:
             # predictions do: it is its reduce-scatter then its all-gather (all_reduce.py),
             # and the probe's budget stops its own points first (at 2 MB on 1 Gbit/s links,
             # where its time grows 1.3x past its estimate from 8 MB, as the reduce-scatter's
-            # own 8 and 32 MB points show: auto suite, 22-40% under by the last segment).
+            # own 8 and 32 MB points show: auto suite, 22-40% under along its last segment,
+            # the rule above the points before 12-04).
             seconds = self._above_points_by_halves(numel, dtype, policy, cal.points[-1]) or seconds
         return dataclasses.replace(p, seconds=seconds)
 
@@ -488,8 +489,11 @@ class CostModel:
                                       p.inter_code, p.group_size, p.pipeline_stages, hier,
                                       self.device == "cpu", _MIN_STAGE_BYTES, p.hadamard_block, raw_exchange)
 
-    def _reduce_scatter(self, n: int, dtype, p: ReduceScatterPolicy, raw_exchange: bool = False) -> list:
-        """One entry per stage, each (hop1 parts, hop2 parts) folded by _pipeline."""
+    def _reduce_scatter(self, n: int, dtype, p: ReduceScatterPolicy, raw_exchange: bool = False,
+                        copies_input: bool = True) -> list:
+        """One entry per stage, each (hop1 parts, hop2 parts) folded by _pipeline. copies_input:
+        a host transport's own reduce-scatter copies its input first (ProcessGroupTransport);
+        False for an all-reduce that is gloo's own, in place."""
         plan = self._rs_plan(n, dtype, p, raw_exchange)
         first, second = format_of(plan.first_format), format_of(plan.second_format)
         nodes = self.world // self.node_size
@@ -503,10 +507,11 @@ class CostModel:
                 hop2 = (*self._exchange(0, b2), self._kernel(second, nodes * length, nodes * length), 0, b2)
             elif plan.transport_reduces:  # raw: the transport's own (ring) reduce-scatter, which adds
                 bi, be = self._ring(plan.first_chunk(s))
-                encoded = 0
-                if self.device == "cpu":  # gloo's is its all-reduce of a copy of the input
-                    bi, be, encoded = 2 * bi, 2 * be, self.world * length
-                hop1 = (*self._exchange(bi, be), self._kernel(first, encoded, self.world * length), bi, be)
+                copied = 0  # elements of fp32 the copy moves: the raw rate's unit (as the padding's below)
+                if self.device == "cpu":  # gloo's is its all-reduce (of a copy of the input)
+                    bi, be = 2 * bi, 2 * be
+                    copied = self.world * length * dtype.itemsize / 4 if copies_input else 0
+                hop1 = (*self._exchange(bi, be), self._kernel(first, copied, self.world * length), bi, be)
             else:  # one all-to-all over the group: quantized, or the raw exchange
                 intra_peers, inter_peers = self._peers()
                 bi, be = intra_peers * plan.first_chunk(s), inter_peers * plan.first_chunk(s)
@@ -538,7 +543,7 @@ class CostModel:
             else:  # the tensor copied into a padded buffer and back (the raw rate: fp32 copies)
                 uneven = [(0.0, 0.0, self._kernel(None, 2 * numel * dtype.itemsize / 4, 0), 0, 0)]
         n = -(-numel // self.world)
-        parts = self._reduce_scatter(n, dtype, rs, raw_exchange)
+        parts = self._reduce_scatter(n, dtype, rs, raw_exchange, copies_input=not transport)
         gather = format_of(self._rs_plan(n, dtype, rs, raw_exchange).second_format)
         return _AllReduceHalves(parts, self._all_gather(n, dtype, gather, p.group_size, ring=transport), uneven,
                                 rs, gather)

@@ -147,6 +147,10 @@ class Group:
             for g in (self._intra, self._inter, self):
                 if g is not None and not g._closed:
                     g._closed = True
+                    g._cpu_workspace = None  # the memory kept for the next call
+                    release = getattr(g._transport, "release_buffers", None)
+                    if release is not None:
+                        release()
                     if g._nccl_comm is not None:
                         from ._nccl import destroy_communicator
 

@@ -674,7 +674,7 @@ def test_quantized_all_reduce_above_its_points_grows_as_its_halves():
     # whose estimate is the point's (so the prediction is continuous there); within its
     # points, they alone. Here the reduce-scatter's calls take 1x their estimate at 2 MB and
     # 2x at 64 MB (its points go further: the suite's 1 Gbit/s runs climb so from 8 MB), the
-    # all-gather's 1 ms + 1.3x, the all-reduce's two points 1.1x: along its last segment a
+    # all-gather's 1 ms + 1.3x, the all-reduce's two points 1.1x: by its own last point a
     # 64 MB call would be predicted at 1.1x its estimate, by its halves at more.
     m = synthetic(inter_gbit=1.0)
     bf16, q = torch.bfloat16, AllReducePolicy()
@@ -699,7 +699,7 @@ def test_quantized_all_reduce_above_its_points_grows_as_its_halves():
     want = 1.1 * estimates[-1] * by_halves(big, bf16) / by_halves(sizes[-1], bf16)
     got = model.predict("all_reduce", big, bf16, q).seconds
     assert got == pytest.approx(want, rel=1e-6)
-    assert got > 1.2 * own.apply(m.estimate("all_reduce", big, bf16, q).seconds)  # not the last segment's
+    assert got > 1.2 * own.apply(m.estimate("all_reduce", big, bf16, q).seconds)  # not its own points
     for numel in (sizes[0], 1 << 19, sizes[-1]):  # within the points: through them
         assert model.predict("all_reduce", numel, bf16, q).seconds == pytest.approx(
             1.1 * m.estimate("all_reduce", numel, bf16, q).seconds)

@@ -2,7 +2,7 @@
 all-reduce of a copy of the input, run in a buffer the transport keeps up to a size limit
 (ProcessGroupTransport._reduce_scatter_by_all_reduce). Its results are torch's reduce-scatter's
 bit for bit, for every dtype and op, kept buffer or not; the input is left as it was; the
-buffer is reused from call to call and not kept past the limit."""
+buffer is reused from call to call, not kept past the limit, and dropped when the group closes."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def _worker(rank, world, sizes, keep_bytes):
     finally:
         cls._reduce_scatter_by_all_reduce = original
     g.close()
-    return out
+    released = seen[-1]._reduced is None and seen[-1]._replicas is None and g._cpu_workspace is None
+    return out, released
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -54,7 +55,8 @@ def test_reduce_scatter_is_gloos_bit_for_bit_in_a_kept_buffer(world):
     small, large = 1001, 12_289  # odd sizes; the large fp32 input is over the limit below
     keep = world * large * 2  # the large call's bf16/fp16 input is kept, its fp32 one is not
     results = run_ranks(world, _worker, [small, large], keep, timeout=120)
-    for out in results:
+    for out, released in results:
+        assert released, "a closed group must drop the buffers it kept for the next call"
         buffers = set()
         for numel, dtype, op, calls, equal, unchanged, kept in out:
             what = (numel, dtype, op)
