@@ -393,7 +393,8 @@ def test_group_close_destroys_communicators_before_releasing_cuda_calls(monkeypa
             order.append("cuda streams")
 
     def member(name):
-        return types.SimpleNamespace(_closed=False, _nccl_comm=name, _owned_pg=None, _gather_pg=None)
+        return types.SimpleNamespace(_closed=False, _nccl_comm=name, _owned_pg=None, _gather_pg=None,
+                                     _transport=None, _cpu_workspace=None)
 
     group = member("own")
     group.__dict__.update(_intra=member("intra"), _inter=member("inter"),
