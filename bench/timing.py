@@ -73,6 +73,25 @@ def paired_median_seconds(fn: Callable[[int], None], ref: Callable[[int], None],
     return statistics.median(a), statistics.median(b)
 
 
+def balanced_orders(n: int) -> list:
+    """Orders of n calls taking turns (Williams' design): every call holds every place
+    equally often and follows every other call equally often (n orders for even n, 2n for
+    odd n). Reversing every other round balances the places but not what each call
+    follows: with the sizes suite's four (qcoll's and torch's call at 2 and 1 threads),
+    torch's 2-thread 256 KB all-reduce, whose OpenMP threads spin on the oversubscribed
+    host, always came just before a qcoll block, and its first call took 11-13 ms against
+    4.5 (bench/results/probe-suite-order-cpu.txt)."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(x + shift) % n for x in first] for shift in range(n)]
+    return orders if n % 2 == 0 or n == 1 else orders + [order[::-1] for order in orders]
+
+
 def human_bytes(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":

@@ -4,8 +4,9 @@
 
 Per dtype, size and collective: qcoll's unquantized call (bits=None) and torch's same call
 at each of the config's thread counts (torch.set_num_threads before each block), in blocks
-of back-to-back calls taking turns (forward, then backward order; a barrier before each
-block only), so that a thread count's time is compared with the other's measured alike.
+of back-to-back calls taking turns (timing.balanced_orders: each holds each place and
+follows each other equally often; a barrier before each block only), so that a thread
+count's time is compared with the other's measured alike.
 Every call's time is kept (the slowest rank's), and each block's total, with the evidence
 of what a stalled call waited for (stall_evidence.py): whether a full garbage collection ran
 during it on any rank, the steal during its block, and the TCP delayed ACKs sent during the
@@ -29,7 +30,7 @@ import qcoll
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from suites.sizes import CONTROL  # noqa: E402  (the cell names' one definition)
 from stall_evidence import FullCollections, delayed_acks, steal_seconds  # noqa: E402
-from timing import _busy_seconds, _own_seconds  # noqa: E402
+from timing import _busy_seconds, _own_seconds, balanced_orders  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TORCH_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -99,11 +100,13 @@ def measure(fns: dict, blocks: int, budget_s: float) -> dict:
     steal = {name: [] for name in fns}
     first_acks = {name: [] for name in fns}
     later_acks = {name: [] for name in fns}
-    order = list(fns)
+    names = list(fns)
+    orders = balanced_orders(len(names))
+    blocks = -(-blocks // len(orders)) * len(orders)
     wall0, busy0, own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
     with FullCollections() as collections:
         for b in range(blocks):
-            for name in (order if b % 2 == 0 else order[::-1]):
+            for name in (names[i] for i in orders[b % len(orders)]):
                 fn, threads = fns[name]
                 torch.set_num_threads(threads)
                 steal0 = steal_seconds()

@@ -29,6 +29,9 @@ from qcoll import _C
 from qcoll._dtypes import DTYPE_CODES as CODES
 from qcoll._formats import format_code
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for timing
+from timing import _busy_seconds, _own_seconds, balanced_orders  # noqa: E402
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # torch's all_gather_into_tensor / reduce_scatter_tensor; torch >= 2.9 names them
 # all_gather_single / reduce_scatter_single and deprecates the old names (same collective).
@@ -41,18 +44,6 @@ def _values(seed: tuple, n: int, dtype, device) -> torch.Tensor:
     """Gaussian values of one (rank, partition, size): any rank can regenerate any rank's."""
     g = torch.Generator().manual_seed(zlib.crc32(repr(seed).encode()))
     return torch.randn(n, generator=g).to(dtype).to(device)
-
-
-def _busy_seconds() -> float:
-    """CPU seconds the whole machine spent busy (user, nice, system, irq, softirq, steal)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def _tx_bytes(iface) -> int:
@@ -86,8 +77,9 @@ class Bench:
                          min_seconds: float = 0.0) -> dict:
         """For each fn: the median over repeats of the slowest rank's time, the node's egress
         bytes and this rank's page faults per call. The fns take turns (a, b, c, a, b, c,
-        ...; rotate: each round starts one later, b, c, a, ..., and the rounds are a multiple
-        of the fns, so each fn holds each place equally often), so load from other jobs that
+        ...; rotate: the rounds cycle through timing.balanced_orders, a multiple of them, so
+        each fn holds each place and follows each other fn equally often: what a call leaves
+        behind falls on every other call alike), so load from other jobs that
         comes and goes falls on all of them alike; calls under 20 ms get 4x the repeats (the
         noisiest), and each of their turns times
         calls_per_turn calls back to back (a single small call is bimodal with more ranks
@@ -117,11 +109,10 @@ class Bench:
         dist.barrier()
         wall0, busy0, own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
         names = list(fns)
-        if rotate:
-            repeats = -(-repeats // len(names)) * len(names)
+        orders = balanced_orders(len(names)) if rotate else [list(range(len(names)))]
+        repeats = -(-repeats // len(orders)) * len(orders)
         for r in range(repeats):
-            shift = r % len(names) if rotate else 0
-            for k in names[shift:] + names[:shift]:
+            for k in (names[i] for i in orders[r % len(orders)]):
                 fn = fns[k]
                 dist.barrier()
                 self.sync()
