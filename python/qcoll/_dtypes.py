@@ -17,6 +17,8 @@ def dtype_code(dtype: torch.dtype, what: str, arg: str = "") -> int:
     then: callers on a collective's path pass the call and the argument apart) otherwise."""
     try:
         return DTYPE_CODES[dtype]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: unhashable
         name = f"{what}: {arg}" if arg else what
+        if not isinstance(dtype, torch.dtype):  # e.g. the string "float32"
+            raise TypeError(f"{name} must be a torch.dtype ({ALLOWED}), got {dtype!r}") from None
         raise TypeError(f"{name} must have dtype {ALLOWED}, got {dtype}") from None

@@ -27,6 +27,7 @@ def quantized_allgather(output: torch.Tensor, input: torch.Tensor, group=None, *
     may then be any dtype (a non-float one travels as raw bytes, exactly). The input may be a view of this rank's
     slot of the output (in place). policy="auto": the group's cost model chooses between this
     call and bits=None per call (qcoll.auto)."""
+    args.check_async_op(async_op)
     if policy is not None:
         return auto.all_gather(quantized_allgather, output, input, group, policy, bits=bits,
                                group_size=group_size, async_op=async_op)

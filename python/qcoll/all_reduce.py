@@ -68,6 +68,8 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     configuration on the paths it leaves open (qcoll.auto).
     Returns a Work with async_op=True (one for the whole call), else None.
     """
+    args.check_async_op(async_op)
+    check_error_feedback(error_feedback)
     if policy is not None:
         return auto.all_reduce(quantized_all_reduce, tensor, group, policy, op=op,
                                error_feedback=error_feedback, async_op=async_op, bits=bits,
@@ -79,7 +81,6 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     policy = cached(AllReducePolicy, bits, inter_bits, group_size, pipeline_stages, hierarchical)
     rs = policy.reduce_scatter()
     group_size, stages = policy.group_size, policy.pipeline_stages
-    check_error_feedback(error_feedback)
     g = resolve_group(group)
     if call.debugging():
         call.debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, rs.intra_code, rs.inter_code,

@@ -278,7 +278,7 @@ class CostModel:
         for tier, needed in (("intra", self.node_size > 1), ("inter", self.world > self.node_size)):
             link = getattr(self, tier)
             if needed and not isinstance(link, Link):
-                raise ValueError(f"CostModel.{tier} must be a qcoll.cost_model.Link for a group of "
+                raise ValueError(f"CostModel.{tier} must be a qcoll.cost.Link for a group of "
                                  f"{self.world} ranks, {self.node_size} per node, got {link!r}")
         keys = {f"{c}/{k}" for c, kinds in KINDS.items() for k in kinds}
         for key, cal in self.calibration.items():

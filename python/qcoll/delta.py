@@ -58,6 +58,7 @@ def delta_allgather(full: torch.Tensor, shard: torch.Tensor, group=None, *,
     `full` becomes exactly the gathered shards. Bytes count under qcoll.stats()'s
     "allgather" (the core's all-gather carries them). policy="auto": the group's cost model
     chooses per call between the differences at `bits` and the values (bits=None; qcoll.auto)."""
+    args.check_async_op(async_op)
     if policy is not None:
         return auto.delta_all_gather(delta_allgather, full, shard, group, policy, bits=bits,
                                      group_size=group_size, async_op=async_op)

@@ -232,7 +232,9 @@ class QuantizedReduceScatter(_Allocating, ReduceScatter):
                  node_size: Optional[int] = None, *, policy: Optional[ReduceScatterPolicy] = None):
         _require_api()
         loose = ReduceScatterPolicy.gradients(intra_bits, inter_bits, group_size, pipeline_stages)
-        self.policy = take_policy(policy, loose, REDUCE_SCATTER)
+        self.policy = take_policy(policy, loose, REDUCE_SCATTER, keywords=dict(
+            intra_bits=(intra_bits, REDUCE_SCATTER.intra_bits), inter_bits=(inter_bits, REDUCE_SCATTER.inter_bits),
+            group_size=(group_size, None), pipeline_stages=(pipeline_stages, REDUCE_SCATTER.pipeline_stages)))
         self.node_size = _check_node_size(node_size)
 
     intra_bits = property(lambda self: self.policy.intra_bits)
@@ -372,17 +374,26 @@ def use_qcoll(module: torch.nn.Module, *, weight_bits=ALL_GATHER.bits,
                        ("replicate_inter_bits", replicate_inter_bits)):
         format_name(bits, name, allow_none=True)  # named as the caller wrote it, not as the policy's field
     check_stages(grad_pipeline_stages, "grad_pipeline_stages")
+    if not isinstance(replicate_error_feedback, bool):
+        raise TypeError(f"replicate_error_feedback must be True or False, got {replicate_error_feedback!r}")
     all_gather = QuantizedAllGather(node_size=node_size, policy=take_policy(
         weight_policy, AllGatherPolicy(weight_bits), ALL_GATHER, "weight_policy", "weight_"))
     loose = ReduceScatterPolicy.gradients(grad_intra_bits, grad_inter_bits, pipeline_stages=grad_pipeline_stages)
     reduce_scatter = QuantizedReduceScatter(node_size=node_size, policy=take_policy(
-        grad_policy, loose, REDUCE_SCATTER, "grad_policy", "grad_"))
+        grad_policy, loose, REDUCE_SCATTER, "grad_policy", "grad_", keywords=dict(
+            intra_bits=(grad_intra_bits, REDUCE_SCATTER.intra_bits),
+            inter_bits=(grad_inter_bits, REDUCE_SCATTER.inter_bits),
+            pipeline_stages=(grad_pipeline_stages, REDUCE_SCATTER.pipeline_stages))))
     hook_args = None
     if replicate_group is not None:
+        # The replicas' all-reduce runs at the gradients' pipeline stages, unless replicate_policy
+        # says otherwise (grad_pipeline_stages is the reduce-scatter's keyword, never a conflict here).
         loose = AllReducePolicy(replicate_bits, replicate_inter_bits, pipeline_stages=grad_pipeline_stages)
         hook_args = dict(replicate_group=replicate_group, error_feedback=replicate_error_feedback,
                          node_size=node_size, policy=take_policy(
-                             replicate_policy, loose, ALL_REDUCE, "replicate_policy", "replicate_"))
+                             replicate_policy, loose, ALL_REDUCE, "replicate_policy", "replicate_",
+                             keywords=dict(bits=(replicate_bits, ALL_REDUCE.bits),
+                                           inter_bits=(replicate_inter_bits, ALL_REDUCE.inter_bits))))
         QuantizedReplicaAllReduce(**hook_args)  # the arguments are checked before any change
     modules = _fsdp_modules(module)
     if hook_args is not None:

@@ -354,6 +354,8 @@ def new_group(pg=None, *, node_size: Optional[int] = None, backend: Optional[str
     if backend not in (None, *BACKENDS):
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     pg = pg if pg is not None else dist.group.WORLD
+    if not isinstance(pg, dist.ProcessGroup):
+        raise TypeError(f"pg must be a torch ProcessGroup or None (the world), got {type(pg).__name__}")
     if timeout is not None and not (isinstance(timeout, timedelta) and timeout > timedelta(0)):
         raise ValueError(f"timeout must be a positive datetime.timedelta or None, got {timeout!r}")
     size = dist.get_world_size(pg)

@@ -57,6 +57,8 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     policy="auto": the group's cost model chooses per call between the transport's own
     reduce-scatter and this configuration on the paths it leaves open (qcoll.auto).
     """
+    args.check_async_op(async_op)
+    check_error_feedback(error_feedback)
     if policy is not None:
         return auto.reduce_scatter(
             quantized_reduce_scatter, output, input, group, policy, async_op=async_op,
@@ -71,7 +73,6 @@ def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=No
     policy = cached(ReduceScatterPolicy, intra_bits, inter_bits, group_size, pipeline_stages,
                     hierarchical, hadamard, hadamard_size)
     group_size, hadamard_size = policy.group_size, policy.hadamard_block
-    check_error_feedback(error_feedback)
     g = resolve_group(group)
     if call.debugging():
         call.debug_check(g, (_WHAT, n, input.numel(), str(input.dtype), op, policy.intra_code,

@@ -131,6 +131,22 @@ CASES = {
                      TypeError, ["group"]),
     "ag_group_int": (lambda g, w: _ag(torch.empty(w * N), torch.empty(N), 3),
                      TypeError, ["group"]),
+    # A truthy non-bool async_op would return a Work nobody waits for.
+    "rs_async_op_str": (lambda g, w: _rs(torch.empty(N), torch.empty(w * N), g, async_op="no"),
+                        TypeError, ["async_op", "'no'"]),
+    "ag_async_op_int": (lambda g, w: _ag(torch.empty(w * N), torch.empty(N), g, async_op=1),
+                        TypeError, ["async_op"]),
+    "ar_async_op_none": (lambda g, w: qcoll.quantized_all_reduce(torch.empty(N), g, async_op=None),
+                         TypeError, ["async_op"]),
+    "delta_async_op_str": (lambda g, w: qcoll.delta_allgather(torch.empty(w * N), torch.empty(N), g,
+                                                              async_op="yes"), TypeError, ["async_op"]),
+    # policy="auto" agrees on the call and probes the cost model first: error_feedback is
+    # checked before either.
+    "rs_auto_error_feedback_true": (lambda g, w: _rs(torch.empty(N), torch.empty(w * N), g, policy="auto",
+                                                     error_feedback=True), TypeError, ["error_feedback"]),
+    "ar_auto_error_feedback_true": (lambda g, w: qcoll.quantized_all_reduce(torch.empty(N), g, policy="auto",
+                                                                            error_feedback=True),
+                                    TypeError, ["error_feedback"]),
 }
 
 
@@ -196,14 +212,15 @@ def _new_group_worker(rank, world, cases):
 def test_new_group_rejects_node_size_not_dividing_the_world():
     cases = {"three": dict(node_size=3), "zero": dict(node_size=0), "five": dict(node_size=5),
              "bool": dict(node_size=True), "float": dict(node_size=2.0),
-             "backend": dict(backend="mpi")}
+             "backend": dict(backend="mpi"), "pg": dict(pg="world")}
     results = run_ranks(4, _new_group_worker, cases, timeout=60)
     for rank, (seen, shape) in enumerate(results):
         assert shape == (4, 2, 2)
         for name in cases:
             got_type, msg = seen[name]
-            assert got_type == "ValueError", f"{name}: rank {rank} raised {got_type}: {msg}"
-            word = "backend" if name == "backend" else "node_size"
+            want = "TypeError" if name == "pg" else "ValueError"
+            assert got_type == want, f"{name}: rank {rank} raised {got_type}: {msg}"
+            word = name if name in ("backend", "pg") else "node_size"
             assert word in msg, f"{name}: {msg!r}"
         assert "3" in seen["three"][1] and "4" in seen["three"][1]  # the value and the size
 

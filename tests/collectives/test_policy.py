@@ -157,6 +157,10 @@ def test_plugins_take_a_policy_instead_of_loose_keywords():
         QuantizedReduceScatter(inter_bits=8, pipeline_stages=3, policy=rs)
     with pytest.raises(TypeError, match="policy must be a qcoll.ReduceScatterPolicy, 'auto' or None, got AllGatherPolicy"):
         QuantizedReduceScatter(policy=ag)
+    # Both bits None builds the transport's baseline (one stage, flat): the conflict names the
+    # keywords the caller passed, not the fields the baseline sets.
+    with pytest.raises(TypeError, match=r"pass either policy= or intra_bits, inter_bits, not both$"):
+        QuantizedReduceScatter(intra_bits=None, inter_bits=None, policy=rs)
 
 
 def test_use_qcoll_composes_the_same_policies(monkeypatch):
@@ -180,6 +184,35 @@ def test_use_qcoll_composes_the_same_policies(monkeypatch):
         qcoll.fsdp.use_qcoll(None, grad_inter_bits=8, grad_policy=rs)
     with pytest.raises(TypeError, match="weight_policy must be a qcoll.AllGatherPolicy"):
         qcoll.fsdp.use_qcoll(None, weight_policy=rs)
+    with pytest.raises(TypeError, match=r"pass either grad_policy= or grad_intra_bits, grad_inter_bits, not both$"):
+        qcoll.fsdp.use_qcoll(None, grad_intra_bits=None, grad_inter_bits=None, grad_policy=rs)
+    with pytest.raises(TypeError, match="replicate_error_feedback must be True or False, got 'yes'"):
+        qcoll.fsdp.use_qcoll(None, replicate_error_feedback="yes")
+
+
+def test_use_qcoll_replicate_policy_with_gradient_stages(monkeypatch):
+    # grad_pipeline_stages is the gradient reduce-scatter's keyword: with replicate_policy it
+    # is no conflict (it once raised naming a replicate_pipeline_stages keyword that does not exist).
+    hooks = []
+
+    class Recorder:
+        def set_custom_all_gather(self, comm):
+            pass
+
+        def set_custom_reduce_scatter(self, comm):
+            assert comm.policy.pipeline_stages == 4
+
+        def set_all_reduce_hook(self, hook):
+            hooks.append(hook)
+
+    monkeypatch.setattr(qcoll.fsdp, "_fsdp_modules", lambda module: [Recorder()])
+    monkeypatch.setattr(qcoll.fsdp, "_check_not_native_hsdp", lambda m: None)
+    replicas = object.__new__(qcoll.Group)  # never called: the hook only holds it
+    ar = AllReducePolicy(bits=4, pipeline_stages=1)
+    qcoll.fsdp.use_qcoll(None, grad_pipeline_stages=4, replicate_group=replicas, replicate_policy=ar)
+    assert len(hooks) == 1 and hooks[0].policy is ar and hooks[0].replicate_group is replicas
+    with pytest.raises(TypeError, match=r"pass either replicate_policy= or replicate_bits, not both$"):
+        qcoll.fsdp.use_qcoll(None, replicate_bits=4, replicate_group=replicas, replicate_policy=ar)
 
 
 # ---- bit-identical results through every entry point ---------------------------------------

@@ -58,6 +58,10 @@ def test_config_is_frozen():
     ("loss_scale", -2.0),
     ("initial_loss_scale", 0.0),
     ("loss_scale_window", 0),
+    ("max_grad_norm", "1.0"),  # compared, a string failed with Python's own words, naming no field
+    ("max_grad_norm", True),
+    ("loss_scale", "128"),
+    ("initial_loss_scale", None),
     ("group_size", 100),
     ("group_size", 0),
     ("qwz", "yes"),
@@ -109,6 +113,14 @@ def test_switches_that_do_not_apply_to_the_stage_raise(kwargs, words):
 def test_engine_rejects_a_config_that_is_not_a_zeroconfig():
     with pytest.raises(TypeError, match="config"):
         ZeroEngine(torch.nn.Linear(2, 2), torch.optim.SGD, config={"qwz": False})
+
+
+def test_engine_rejects_a_model_or_factory_of_the_wrong_kind_before_any_group():
+    # Raised before resolve_group (no process group is initialized here).
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        ZeroEngine("gpt", torch.optim.SGD)
+    with pytest.raises(TypeError, match="optimizer_factory must be a callable"):
+        ZeroEngine(torch.nn.Linear(2, 2), "adamw")
 
 
 # ---- engines on 4 ranks ------------------------------------------------------------------

@@ -82,3 +82,9 @@ def check_op(op) -> int:
     if not isinstance(op, str) or op not in OPS:
         raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
     return OPS[op]
+
+
+def check_async_op(async_op) -> None:
+    """async_op must be a bool: a truthy string or number would return an unwaited Work."""
+    if not isinstance(async_op, bool):
+        raise TypeError(f"async_op must be True or False, got {async_op!r}")

@@ -108,12 +108,12 @@ class ZeroConfig:
                                                 or not isinstance(self.hpz_group_size, int)
                                                 or self.hpz_group_size < 1):
             raise ValueError(f"hpz_group_size must be a positive int or None, got {self.hpz_group_size!r}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
-        if self.loss_scale is not None and not self.loss_scale > 0:
-            raise ValueError(f"loss_scale must be > 0 or None (dynamic), got {self.loss_scale!r}")
-        if not self.initial_loss_scale > 0:
-            raise ValueError(f"initial_loss_scale must be > 0, got {self.initial_loss_scale!r}")
+        if self.max_grad_norm is not None and not _positive_number(self.max_grad_norm):
+            raise ValueError(f"max_grad_norm must be a number > 0 or None, got {self.max_grad_norm!r}")
+        if self.loss_scale is not None and not _positive_number(self.loss_scale):
+            raise ValueError(f"loss_scale must be a number > 0 or None (dynamic), got {self.loss_scale!r}")
+        if not _positive_number(self.initial_loss_scale):
+            raise ValueError(f"initial_loss_scale must be a number > 0, got {self.initial_loss_scale!r}")
         if isinstance(self.loss_scale_window, bool) or not isinstance(self.loss_scale_window, int) \
                 or self.loss_scale_window < 1:
             raise ValueError(f"loss_scale_window must be a positive int, got {self.loss_scale_window!r}")
@@ -165,3 +165,8 @@ class ZeroConfig:
         if self.grad_hadamard and not self.qgz:
             raise ValueError("grad_hadamard=True needs qgz=True: the transform smooths what the "
                              "quantized gradient reduce-scatter quantizes")
+
+
+def _positive_number(value) -> bool:
+    """An int or float above 0 (not a bool, not a string: they compare, or fail, unhelpfully)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0

@@ -64,6 +64,11 @@ class ZeroEngine:
                  config: ZeroConfig = ZeroConfig()):
         if not isinstance(config, ZeroConfig):
             raise TypeError(f"config must be a qcoll.zero.ZeroConfig, got {type(config).__name__}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not callable(optimizer_factory):
+            raise TypeError("optimizer_factory must be a callable taking the parameters (e.g. lambda p: "
+                            f"torch.optim.AdamW(p)), got {type(optimizer_factory).__name__}")
         self.module = model
         self.config = config
         self.group = resolve_group(group)
