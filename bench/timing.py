@@ -73,23 +73,30 @@ def paired_median_seconds(fn: Callable[[int], None], ref: Callable[[int], None],
     return statistics.median(a), statistics.median(b)
 
 
-def balanced_orders(n: int) -> list:
-    """Orders of n calls taking turns (Williams' design): every call holds every place
-    equally often and follows every other call equally often (n orders for even n, 2n for
-    odd n). Reversing every other round balances the places but not what each call
-    follows: with the sizes suite's four (qcoll's and torch's call at 2 and 1 threads),
-    torch's 2-thread 256 KB all-reduce, whose OpenMP threads spin on the oversubscribed
-    host, always came just before a qcoll block, and its first call took 11-13 ms against
-    4.5 (bench/results/probe-suite-order-cpu.txt)."""
-    first, low, high = [0], 1, n - 1
-    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
-        first.append(low)
-        low += 1
-        if len(first) < n:
-            first.append(high)
-            high -= 1
-    orders = [[(x + shift) % n for x in first] for shift in range(n)]
-    return orders if n % 2 == 0 or n == 1 else orders + [order[::-1] for order in orders]
+def balanced_sequence(n: int) -> list:
+    """The order of turns of n calls, as a cycle to repeat: every call follows every other
+    call exactly once per cycle (n x (n - 1) turns, each call n - 1 of them; never itself),
+    also across the cycle's end: an Eulerian circuit of the complete directed graph
+    (Hierholzer's algorithm). Timing in rounds (a, b, c, a, b, c) leaves what one call
+    leaves behind (warm or spinning threads, socket state) always on the same next call;
+    with the sizes suite's four (qcoll's and torch's call at 2 and 1 threads), torch's
+    2-thread 256 KB all-reduce, whose OpenMP threads spin on the oversubscribed host, always
+    came just before a qcoll block, and its first call took 11-13 ms against 4.5
+    (bench/results/probe-suite-order-cpu.txt)."""
+    if n == 1:
+        return [0]
+    # Each call's successors in turn from the next one on (v+1, v+2, ...): the walk then
+    # spreads every call over the cycle (for 4: 0 1 2 3 0 2 0 3 1 3 2 1) instead of taking
+    # one call's turns first.
+    successors = [[(v + k) % n for k in range(1, n)] for v in range(n)]
+    stack, circuit = [0], []
+    while stack:
+        v = stack[-1]
+        if successors[v]:
+            stack.append(successors[v].pop(0))
+        else:
+            circuit.append(stack.pop())
+    return circuit[::-1][:-1]  # closed at 0: the last step back to the start is the cycle's end
 
 
 def human_bytes(n: int) -> str:

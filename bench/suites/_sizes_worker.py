@@ -4,8 +4,8 @@
 
 Per dtype, size and collective: qcoll's unquantized call (bits=None) and torch's same call
 at each of the config's thread counts (torch.set_num_threads before each block), in blocks
-of back-to-back calls taking turns (timing.balanced_orders: each holds each place and
-follows each other equally often; a barrier before each block only), so that a thread
+of back-to-back calls taking turns (timing.balanced_sequence: each block follows each
+other kind of block equally often; a barrier before each block only), so that a thread
 count's time is compared with the other's measured alike.
 Every call's time is kept (the slowest rank's), and each block's total, with the evidence
 of what a stalled call waited for (stall_evidence.py): whether a full garbage collection ran
@@ -30,7 +30,7 @@ import qcoll
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from suites.sizes import CONTROL  # noqa: E402  (the cell names' one definition)
 from stall_evidence import FullCollections, delayed_acks, steal_seconds  # noqa: E402
-from timing import _busy_seconds, _own_seconds, balanced_orders  # noqa: E402
+from timing import _busy_seconds, _own_seconds, balanced_sequence  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TORCH_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -101,36 +101,36 @@ def measure(fns: dict, blocks: int, budget_s: float) -> dict:
     first_acks = {name: [] for name in fns}
     later_acks = {name: [] for name in fns}
     names = list(fns)
-    orders = balanced_orders(len(names))
-    blocks = -(-blocks // len(orders)) * len(orders)
+    cycle = balanced_sequence(len(names))
+    turns = -(-blocks * len(names) // len(cycle)) * len(cycle)  # whole cycles: `blocks` or more a call
     wall0, busy0, own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
     with FullCollections() as collections:
-        for b in range(blocks):
-            for name in (names[i] for i in orders[b % len(orders)]):
-                fn, threads = fns[name]
-                torch.set_num_threads(threads)
-                steal0 = steal_seconds()
-                dist.barrier(group=SYNC)
-                starts, ends = [], []
-                acks = delayed_acks()
-                start = time.perf_counter()
-                for i in range(k):
-                    c0 = time.perf_counter()
-                    fn()
-                    c1 = time.perf_counter()
-                    starts.append(c0)
-                    ends.append(c1)
-                    if i == 0:  # the first call's delayed ACKs, its reading left out of the block
-                        after_first = delayed_acks()
-                        acks = after_first - acks
-                        start += time.perf_counter() - c1
-                totals[name].append(time.perf_counter() - start)
-                later = delayed_acks() - after_first
-                times[name] += [e - s for s, e in zip(starts, ends)]
-                full_gc[name] += collections.overlapping(starts, ends)
-                steal[name].append(steal_seconds() - steal0)
-                first_acks[name].append(float(acks))
-                later_acks[name].append(float(later))
+        for turn in range(turns):
+            name = names[cycle[turn % len(cycle)]]
+            fn, threads = fns[name]
+            torch.set_num_threads(threads)
+            steal0 = steal_seconds()
+            dist.barrier(group=SYNC)
+            starts, ends = [], []
+            acks = delayed_acks()
+            start = time.perf_counter()
+            for i in range(k):
+                c0 = time.perf_counter()
+                fn()
+                c1 = time.perf_counter()
+                starts.append(c0)
+                ends.append(c1)
+                if i == 0:  # the first call's delayed ACKs, its reading left out of the block
+                    after_first = delayed_acks()
+                    acks = after_first - acks
+                    start += time.perf_counter() - c1
+            totals[name].append(time.perf_counter() - start)
+            later = delayed_acks() - after_first
+            times[name] += [e - s for s, e in zip(starts, ends)]
+            full_gc[name] += collections.overlapping(starts, ends)
+            steal[name].append(steal_seconds() - steal0)
+            first_acks[name].append(float(acks))
+            later_acks[name].append(float(later))
     # CPU that processes other than the ranks used meanwhile, in cores (machine-wide).
     wall, busy = time.perf_counter() - wall0, _busy_seconds() - busy0
     own = torch.tensor([_own_seconds() - own0], dtype=torch.float64)

@@ -30,7 +30,7 @@ from qcoll._dtypes import DTYPE_CODES as CODES
 from qcoll._formats import format_code
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/, for timing
-from timing import _busy_seconds, _own_seconds, balanced_orders  # noqa: E402
+from timing import _busy_seconds, _own_seconds, balanced_sequence  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # torch's all_gather_into_tensor / reduce_scatter_tensor; torch >= 2.9 names them
@@ -77,9 +77,9 @@ class Bench:
                          min_seconds: float = 0.0) -> dict:
         """For each fn: the median over repeats of the slowest rank's time, the node's egress
         bytes and this rank's page faults per call. The fns take turns (a, b, c, a, b, c,
-        ...; rotate: the rounds cycle through timing.balanced_orders, a multiple of them, so
-        each fn holds each place and follows each other fn equally often: what a call leaves
-        behind falls on every other call alike), so load from other jobs that
+        ...; rotate: the turns follow timing.balanced_sequence, whole cycles of it, so each
+        fn follows each other fn equally often: what a call leaves behind falls on every
+        other call alike), so load from other jobs that
         comes and goes falls on all of them alike; calls under 20 ms get 4x the repeats (the
         noisiest), and each of their turns times
         calls_per_turn calls back to back (a single small call is bimodal with more ranks
@@ -109,23 +109,24 @@ class Bench:
         dist.barrier()
         wall0, busy0, own0 = time.perf_counter(), _busy_seconds(), _own_seconds()
         names = list(fns)
-        orders = balanced_orders(len(names)) if rotate else [list(range(len(names)))]
-        repeats = -(-repeats // len(orders)) * len(orders)
-        for r in range(repeats):
-            for k in (names[i] for i in orders[r % len(orders)]):
-                fn = fns[k]
+        cycle = balanced_sequence(len(names)) if rotate else list(range(len(names)))
+        turns = -(-repeats * len(names) // len(cycle)) * len(cycle)  # whole cycles
+        repeats = turns // len(names)  # each fn's turns: a cycle holds each n - 1 times of n (n - 1)
+        for turn in range(turns):
+            k = names[cycle[turn % len(cycle)]]
+            fn = fns[k]
+            dist.barrier()
+            self.sync()
+            tx0, f0 = _tx_bytes(self.iface), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0 = time.perf_counter()
+            for _ in range(per_turn):
+                fn()
+            self.sync()
+            times[k].append((time.perf_counter() - t0) / per_turn)
+            faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+            if self.cfg.get("iface"):  # all ranks done sending: count the call's bytes
                 dist.barrier()
-                self.sync()
-                tx0, f0 = _tx_bytes(self.iface), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-                t0 = time.perf_counter()
-                for _ in range(per_turn):
-                    fn()
-                self.sync()
-                times[k].append((time.perf_counter() - t0) / per_turn)
-                faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-                if self.cfg.get("iface"):  # all ranks done sending: count the call's bytes
-                    dist.barrier()
-                    tx[k] += _tx_bytes(self.iface) - tx0
+                tx[k] += _tx_bytes(self.iface) - tx0
         dist.barrier()
         wall, busy, own = time.perf_counter() - wall0, _busy_seconds() - busy0, _own_seconds() - own0
         own_all = self.allsum([own])[0]

@@ -1,6 +1,6 @@
 """The suites' timing in turns (_worker.Bench.time_interleaved, the sizes worker): with
-rotate, the rounds cycle through timing.balanced_orders, so every call holds every place and
-follows every other call equally often; without it, the order is the same every round."""
+rotate, the turns follow timing.balanced_sequence, whole cycles of it, so every call follows
+every other call equally often; without it, the order is the same every round."""
 
 from __future__ import annotations
 
@@ -21,51 +21,57 @@ def _orders(rank, world, rotate, min_seconds=0.0):
     fns = {name: (lambda name=name: seen.append(name)) for name in "abc"}
     cfg = dict(world=world, node_size=1, device="cpu", warmup=1, repeats=1)
     timed = Bench(cfg, rank).time_interleaved(fns, rotate=rotate, min_seconds=min_seconds)
-    rounds = [seen[i:i + 3] for i in range(3, len(seen), 3)]  # after the warm-up round
-    return rounds, {k: len(v["times_s"]) for k, v in timed.items()}
+    return "".join(seen[3:]), {k: len(v["times_s"]) for k, v in timed.items()}  # after the warm-up round
 
 
-def _balanced_orders(n):
+def _balanced_sequence(n):
     sys.path.insert(0, BENCH)
-    from timing import balanced_orders
+    from timing import balanced_sequence
 
-    return balanced_orders(n)
-
-
-def test_balanced_orders_balance_places_and_predecessors():
-    for n in range(1, 9):
-        orders = _balanced_orders(n)
-        assert len(orders) == (n if n % 2 == 0 or n == 1 else 2 * n), (n, orders)
-        assert all(sorted(order) == list(range(n)) for order in orders)
-        for place in range(n):  # each call in each place equally often
-            at = [order[place] for order in orders]
-            assert all(at.count(c) == len(orders) // n for c in range(n)), (n, place, at)
-        follows = {}  # (before, after) -> times, within an order
-        for order in orders:
-            for a, b in zip(order, order[1:]):
-                follows[(a, b)] = follows.get((a, b), 0) + 1
-        pairs = [(a, b) for a in range(n) for b in range(n) if a != b]
-        assert sorted(follows) == pairs and len(set(follows.values())) <= 1, (n, follows)
+    return balanced_sequence(n)
 
 
-def test_rotated_turns_give_every_call_every_place():
-    # Quick calls get 4x the repeats: 4 rounds; rotated, 6 (balanced_orders(3): 6 orders).
-    for rotate, expected in ((True, 6), (False, 4)):
-        (rounds, counts), = run_ranks(1, _orders, rotate)
-        assert len(rounds) == expected and counts == dict.fromkeys("abc", expected)
+def _follows(sequence):
+    """(before, after) -> times, the sequence taken as a cycle (it repeats)."""
+    pairs = {}
+    for a, b in zip(sequence, sequence[1:] + sequence[:1]):
+        pairs[(a, b)] = pairs.get((a, b), 0) + 1
+    return pairs
+
+
+def test_balanced_sequence_every_call_follows_every_other_once_a_cycle():
+    assert _balanced_sequence(1) == [0]
+    for n in range(2, 9):
+        cycle = _balanced_sequence(n)
+        assert len(cycle) == n * (n - 1) and all(cycle.count(c) == n - 1 for c in range(n)), (n, cycle)
+        assert _follows(cycle) == {(a, b): 1 for a in range(n) for b in range(n) if a != b}, (n, cycle)
+        # spread over the cycle: no call holds a stretch of turns (its n - 1 turns never all
+        # in one half of the cycle, from 3 calls on)
+        if n >= 3:
+            for c in range(n):
+                at = [i for i, x in enumerate(cycle) if x == c]
+                assert at[-1] - at[0] >= len(cycle) // 3, (n, c, at)
+
+
+def test_rotated_turns_balance_what_each_call_follows():
+    # Quick calls get 4x the repeats: 4 rounds, 12 turns; rotated, whole cycles of 6 turns
+    # (12), each call following each other call twice (counting across the cycles' ends).
+    for rotate in (True, False):
+        (stream, counts), = run_ranks(1, _orders, rotate)
+        assert len(stream) == 12 and counts == dict.fromkeys("abc", 4)
         if rotate:
-            assert ["".join(r) for r in rounds] == ["abc", "bca", "cab", "cba", "acb", "bac"]
+            assert _follows(list(stream)) == {(a, b): 2 for a in "abc" for b in "abc" if a != b}, stream
         else:
-            assert all(r == list("abc") for r in rounds)
+            assert stream == "abc" * 4  # each call always after the same one
 
 
 def test_min_seconds_adds_rounds_up_to_eight_times_the_repeats():
     # Calls of about nothing: a floor of 10 s wants far more rounds than the cap allows, 8 x
-    # 1 repeat, rotated up to 12 (a multiple of the 6 orders); a floor of a nanosecond
-    # changes nothing (6, as above).
-    for min_seconds, expected in ((10.0, 12), (1e-9, 6)):
-        (rounds, counts), = run_ranks(1, _orders, True, min_seconds)
-        assert len(rounds) == expected and counts == dict.fromkeys("abc", expected)
+    # 1 repeat (24 turns, whole cycles of 6); a floor of a nanosecond changes nothing (4, as
+    # above).
+    for min_seconds, expected in ((10.0, 8), (1e-9, 4)):
+        (stream, counts), = run_ranks(1, _orders, True, min_seconds)
+        assert len(stream) == 3 * expected and counts == dict.fromkeys("abc", expected)
 
 
 def _first_call_slow(rank, world):
@@ -88,7 +94,7 @@ def _first_call_slow(rank, world):
 
 def test_min_seconds_forecast_from_the_fastest_warm_up_round():
     # The first warm-up round takes 0.2 s, the second about nothing: forecast from the
-    # fastest, a 0.05 s floor wants the cap (8 rounds, rotated 12); from their mean (0.1 s a
-    # round) it would want 1 (rotated 6).
+    # fastest, a 0.05 s floor wants the cap (8 rounds); from their mean (0.1 s a round) it
+    # would want 1 (2: whole cycles of 6 turns).
     counts, = run_ranks(1, _first_call_slow)
-    assert counts == dict.fromkeys("abc", 12), counts
+    assert counts == dict.fromkeys("abc", 8), counts
