@@ -234,7 +234,8 @@ class QuantizedReduceScatter(_Allocating, ReduceScatter):
         loose = ReduceScatterPolicy.gradients(intra_bits, inter_bits, group_size, pipeline_stages)
         self.policy = take_policy(policy, loose, REDUCE_SCATTER, keywords=dict(
             intra_bits=(intra_bits, REDUCE_SCATTER.intra_bits), inter_bits=(inter_bits, REDUCE_SCATTER.inter_bits),
-            group_size=(group_size, None), pipeline_stages=(pipeline_stages, REDUCE_SCATTER.pipeline_stages)))
+            group_size=(loose.group_size, REDUCE_SCATTER.group_size),  # normalized: None is the default block
+            pipeline_stages=(pipeline_stages, REDUCE_SCATTER.pipeline_stages)))
         self.node_size = _check_node_size(node_size)
 
     intra_bits = property(lambda self: self.policy.intra_bits)

@@ -161,6 +161,9 @@ def test_plugins_take_a_policy_instead_of_loose_keywords():
     # keywords the caller passed, not the fields the baseline sets.
     with pytest.raises(TypeError, match=r"pass either policy= or intra_bits, inter_bits, not both$"):
         QuantizedReduceScatter(intra_bits=None, inter_bits=None, policy=rs)
+    # The default block spelled out is no conflict, as for the all-gather.
+    assert QuantizedReduceScatter(group_size=qcoll.DEFAULT_GROUP_SIZE, policy=rs).policy is rs
+    assert QuantizedAllGather(group_size=qcoll.DEFAULT_GROUP_SIZE, policy=ag).policy is ag
 
 
 def test_use_qcoll_composes_the_same_policies(monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,6 +80,7 @@ def test_invalid_values_raise_naming_the_field(field, value):
     dict(compute_dtype=torch.float16, loss_scale=128.0),
     dict(compute_dtype=torch.float32, max_grad_norm=1.0, group_size=64, grad_pipeline_stages=3),
     dict(hpz_group_size=1),
+    dict(max_grad_norm=np.float32(0.5), initial_loss_scale=np.int64(1024)),  # numpy's reals too
 ])
 def test_valid_values_accepted(kwargs):
     c = ZeroConfig(**kwargs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Callable, Optional, Tuple, Union
 
 import torch
@@ -168,5 +169,6 @@ class ZeroConfig:
 
 
 def _positive_number(value) -> bool:
-    """An int or float above 0 (not a bool, not a string: they compare, or fail, unhelpfully)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    """A real number above 0 (numpy's included; not a bool, not a string: they compare, or
+    fail, unhelpfully)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0
