@@ -5,7 +5,8 @@ calls, and the stalled calls (issue 26 item 3).
 Layouts 2 nodes x 2 and 3 nodes x 2 (local processes, qcoll.new_group(node_size=2)); sizes
 1 KB to 64 MB, every power of 4 (bytes of the full tensor: the all-reduce's tensor, the
 all-gather's output, the reduce-scatter's input); fp32 and bf16. Two launches, each timing
-torch.set_num_threads(2) and (1) in alternating blocks:
+torch.set_num_threads(2) and (1) in blocks taking turns (timing.balanced_sequence: each
+kind of block after each other kind equally often):
   2 threads / 1 thread     OMP_NUM_THREADS=2 (a plain launch on 2 cores)
   torchrun 2 / torchrun    OMP_NUM_THREADS=1, as torchrun sets it when it starts several
                            ranks per node (torchrun: set_num_threads left at 1)
