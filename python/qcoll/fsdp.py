@@ -233,9 +233,8 @@ class QuantizedReduceScatter(_Allocating, ReduceScatter):
         _require_api()
         loose = ReduceScatterPolicy.gradients(intra_bits, inter_bits, group_size, pipeline_stages)
         self.policy = take_policy(policy, loose, REDUCE_SCATTER, keywords=dict(
-            intra_bits=(intra_bits, REDUCE_SCATTER.intra_bits), inter_bits=(inter_bits, REDUCE_SCATTER.inter_bits),
-            group_size=(loose.group_size, REDUCE_SCATTER.group_size),  # normalized: None is the default block
-            pipeline_stages=(pipeline_stages, REDUCE_SCATTER.pipeline_stages)))
+            intra_bits=intra_bits, inter_bits=inter_bits, pipeline_stages=pipeline_stages,
+            group_size=loose.group_size))  # normalized: None is the default block
         self.node_size = _check_node_size(node_size)
 
     intra_bits = property(lambda self: self.policy.intra_bits)
@@ -382,9 +381,7 @@ def use_qcoll(module: torch.nn.Module, *, weight_bits=ALL_GATHER.bits,
     loose = ReduceScatterPolicy.gradients(grad_intra_bits, grad_inter_bits, pipeline_stages=grad_pipeline_stages)
     reduce_scatter = QuantizedReduceScatter(node_size=node_size, policy=take_policy(
         grad_policy, loose, REDUCE_SCATTER, "grad_policy", "grad_", keywords=dict(
-            intra_bits=(grad_intra_bits, REDUCE_SCATTER.intra_bits),
-            inter_bits=(grad_inter_bits, REDUCE_SCATTER.inter_bits),
-            pipeline_stages=(grad_pipeline_stages, REDUCE_SCATTER.pipeline_stages))))
+            intra_bits=grad_intra_bits, inter_bits=grad_inter_bits, pipeline_stages=grad_pipeline_stages)))
     hook_args = None
     if replicate_group is not None:
         # The replicas' all-reduce runs at the gradients' pipeline stages, unless replicate_policy
@@ -393,8 +390,7 @@ def use_qcoll(module: torch.nn.Module, *, weight_bits=ALL_GATHER.bits,
         hook_args = dict(replicate_group=replicate_group, error_feedback=replicate_error_feedback,
                          node_size=node_size, policy=take_policy(
                              replicate_policy, loose, ALL_REDUCE, "replicate_policy", "replicate_",
-                             keywords=dict(bits=(replicate_bits, ALL_REDUCE.bits),
-                                           inter_bits=(replicate_inter_bits, ALL_REDUCE.inter_bits))))
+                             keywords=dict(bits=replicate_bits, inter_bits=replicate_inter_bits)))
         QuantizedReplicaAllReduce(**hook_args)  # the arguments are checked before any change
     modules = _fsdp_modules(module)
     if hook_args is not None:

@@ -267,10 +267,10 @@ def take_policy(policy, loose: _Policy, defaults: _Policy, name: str = "policy",
                 prefix: str = "", *, keywords: Optional[dict] = None) -> _Policy:
     """A plug-in's policy: `policy` as given, else `loose` (built from its loose keywords,
     spelled prefix + field). Both (a loose keyword off its default, `defaults`) is an error.
-    keywords: {field: (value as passed, the keyword's default)} of the loose keywords the
-    caller takes, where `loose` has fields they do not set (ReduceScatterPolicy.gradients'
-    transport() with both bits None; stages taken from another keyword); None: every field
-    of `loose` against `defaults`.
+    keywords: {field: value as passed} of the loose keywords the caller takes, where `loose`
+    has fields they do not set (ReduceScatterPolicy.gradients' transport() with both bits
+    None; stages taken from another keyword); None: every field of `loose`. Either way
+    against `defaults`' fields.
     policy="auto": `loose` wrapped in qcoll.auto.Auto (the cost model chooses per call); an
     Auto around this kind of policy (what an earlier take_policy made of "auto") as it is."""
     from .auto import Auto
@@ -286,8 +286,8 @@ def take_policy(policy, loose: _Policy, defaults: _Policy, name: str = "policy",
     if not isinstance(inner, cls):
         raise TypeError(f"{name} must be a qcoll.{cls.__name__}, 'auto' or None, got {type(policy).__name__}")
     if keywords is None:
-        keywords = {f.name: (getattr(loose, f.name), getattr(defaults, f.name)) for f in dataclasses.fields(cls)}
-    changed = [prefix + field for field, (value, default) in keywords.items() if value != default]
+        keywords = {f.name: getattr(loose, f.name) for f in dataclasses.fields(cls)}
+    changed = [prefix + field for field, value in keywords.items() if value != getattr(defaults, field)]
     if changed:
         raise TypeError(f"pass either {name}= or {', '.join(changed)}, not both")
     return policy
