@@ -193,6 +193,21 @@ def test_use_qcoll_composes_the_same_policies(monkeypatch):
         qcoll.fsdp.use_qcoll(None, replicate_error_feedback="yes")
 
 
+@pytest.mark.parametrize("keywords, named", [
+    (dict(replicate_bits=4), "replicate_bits"),
+    (dict(replicate_inter_bits=4), "replicate_inter_bits"),
+    (dict(replicate_error_feedback=False), "replicate_error_feedback"),
+    (dict(replicate_policy=AllReducePolicy(bits=4)), "replicate_policy"),
+    (dict(replicate_bits=None, replicate_policy=AllReducePolicy()), "replicate_bits, replicate_policy"),
+])
+def test_use_qcoll_replicate_settings_need_replicate_group(monkeypatch, keywords, named):
+    # Without replicate_group the replicas' settings would be silently ignored: an error
+    # naming them, before any module is touched.
+    monkeypatch.setattr(qcoll.fsdp, "_fsdp_modules", lambda module: pytest.fail("modules touched"))
+    with pytest.raises(TypeError, match=rf"^{named} apply only with replicate_group="):
+        qcoll.fsdp.use_qcoll(None, **keywords)
+
+
 def test_use_qcoll_replicate_policy_with_gradient_stages(monkeypatch):
     # grad_pipeline_stages is the gradient reduce-scatter's keyword: with replicate_policy it
     # is no conflict (it once raised naming a replicate_pipeline_stages keyword that does not exist).
