@@ -364,8 +364,9 @@ def use_qcoll(module: torch.nn.Module, *, weight_bits=ALL_GATHER.bits,
     replicate_group (HSDP): the ProcessGroup of this rank's replicas (a 2-D mesh's
     mesh.get_group("replicate"), the module sharded over mesh["shard"]); each FSDPModule then
     averages its gradient shard over it with qcoll.quantized_all_reduce at replicate_bits /
-    replicate_inter_bits, with error feedback (QuantizedReplicaAllReduce); any replicate_*
-    setting without replicate_group is a TypeError (it would act on nothing).
+    replicate_inter_bits, with error feedback (QuantizedReplicaAllReduce); a replicate_*
+    setting other than its default without replicate_group is a TypeError (it would act on
+    nothing).
     weight_policy / grad_policy / replicate_policy: a qcoll.AllGatherPolicy /
     ReduceScatterPolicy / AllReducePolicy instead of the weight_* / grad_* / replicate_*
     bits (and grad_pipeline_stages, which the replicas' all-reduce also takes). Returns
@@ -379,15 +380,18 @@ def use_qcoll(module: torch.nn.Module, *, weight_bits=ALL_GATHER.bits,
         raise TypeError(f"replicate_error_feedback must be True or False, got {replicate_error_feedback!r}")
     if replicate_group is None:
         # The replicas' settings act only through replicate_group: without it they would be
-        # ignored, and FSDP2's own HSDP all-reduce (if any) would run unquantized.
+        # ignored, and FSDP2's own HSDP all-reduce (if any) would run unquantized. Bits compare
+        # by their canonical name (8 and "int8" are the same default).
         given = [name for name, value, default in (
-            ("replicate_bits", replicate_bits, ALL_REDUCE.bits),
-            ("replicate_inter_bits", replicate_inter_bits, ALL_REDUCE.inter_bits),
+            ("replicate_bits", format_name(replicate_bits, allow_none=True), format_name(ALL_REDUCE.bits, allow_none=True)),
+            ("replicate_inter_bits", format_name(replicate_inter_bits, allow_none=True),
+             format_name(ALL_REDUCE.inter_bits, allow_none=True)),
             ("replicate_error_feedback", replicate_error_feedback, True),
             ("replicate_policy", replicate_policy, None)) if value != default]
         if given:
-            raise TypeError(f"{', '.join(given)} apply only with replicate_group= (the replicas' "
-                            "ProcessGroup, e.g. mesh.get_group('replicate')); none was given")
+            raise TypeError(f"{', '.join(given)}: act only with replicate_group= (the replicas' ProcessGroup "
+                            "or qcoll.Group, e.g. mesh.get_group('replicate')); pass it, or leave "
+                            f"{'them' if len(given) > 1 else 'it'} at the default")
     all_gather = QuantizedAllGather(node_size=node_size, policy=take_policy(
         weight_policy, AllGatherPolicy(weight_bits), ALL_GATHER, "weight_policy", "weight_"))
     loose = ReduceScatterPolicy.gradients(grad_intra_bits, grad_inter_bits, pipeline_stages=grad_pipeline_stages)

@@ -18,6 +18,8 @@ import qcoll.ddp
 import qcoll.fsdp
 from tests.support.distributed import run_ranks
 from qcoll import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy
+from qcoll._formats import format_name
+from qcoll.policy import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from qcoll.zero import ZeroConfig
 
 NODE_SIZE = 2
@@ -198,14 +200,36 @@ def test_use_qcoll_composes_the_same_policies(monkeypatch):
     (dict(replicate_inter_bits=4), "replicate_inter_bits"),
     (dict(replicate_error_feedback=False), "replicate_error_feedback"),
     (dict(replicate_policy=AllReducePolicy(bits=4)), "replicate_policy"),
+    (dict(replicate_policy="auto"), "replicate_policy"),
     (dict(replicate_bits=None, replicate_policy=AllReducePolicy()), "replicate_bits, replicate_policy"),
 ])
 def test_use_qcoll_replicate_settings_need_replicate_group(monkeypatch, keywords, named):
     # Without replicate_group the replicas' settings would be silently ignored: an error
     # naming them, before any module is touched.
     monkeypatch.setattr(qcoll.fsdp, "_fsdp_modules", lambda module: pytest.fail("modules touched"))
-    with pytest.raises(TypeError, match=rf"^{named} apply only with replicate_group="):
+    with pytest.raises(TypeError, match=rf"^{named}: act only with replicate_group= .*pass it, or leave"):
         qcoll.fsdp.use_qcoll(None, **keywords)
+
+
+@pytest.mark.parametrize("keywords", [
+    dict(replicate_bits=ALL_REDUCE.bits, replicate_inter_bits=ALL_REDUCE.inter_bits,
+         replicate_error_feedback=True, replicate_policy=None),
+    dict(replicate_bits=format_name(ALL_REDUCE.bits)),  # the default's other spelling
+])
+def test_use_qcoll_replicate_defaults_without_group(monkeypatch, keywords):
+    # The defaults spelled out act on nothing either way: no error, the comms set as usual.
+    set_on = []
+
+    class Recorder:
+        def set_custom_all_gather(self, comm):
+            set_on.append(comm.policy)
+
+        def set_custom_reduce_scatter(self, comm):
+            set_on.append(comm.policy)
+
+    monkeypatch.setattr(qcoll.fsdp, "_fsdp_modules", lambda module: [Recorder()])
+    qcoll.fsdp.use_qcoll(None, **keywords)
+    assert set_on == [ALL_GATHER, REDUCE_SCATTER]
 
 
 def test_use_qcoll_replicate_policy_with_gradient_stages(monkeypatch):
