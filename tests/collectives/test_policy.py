@@ -168,7 +168,8 @@ def test_plugins_take_a_policy_instead_of_loose_keywords():
     assert QuantizedAllGather(group_size=qcoll.DEFAULT_GROUP_SIZE, policy=ag).policy is ag
 
 
-def test_use_qcoll_composes_the_same_policies(monkeypatch):
+def _record_policies(monkeypatch) -> list:
+    """use_qcoll's comms' policies, in the order it sets them on a stand-in FSDPModule."""
     set_on = []
 
     class Recorder:
@@ -179,6 +180,11 @@ def test_use_qcoll_composes_the_same_policies(monkeypatch):
             set_on.append(comm.policy)
 
     monkeypatch.setattr(qcoll.fsdp, "_fsdp_modules", lambda module: [Recorder()])
+    return set_on
+
+
+def test_use_qcoll_composes_the_same_policies(monkeypatch):
+    set_on = _record_policies(monkeypatch)
     qcoll.fsdp.use_qcoll(None, weight_bits=4, grad_intra_bits=None, grad_inter_bits=8, grad_pipeline_stages=1)
     assert set_on == [AllGatherPolicy(bits=4), ReduceScatterPolicy(intra_bits=None, inter_bits=8, pipeline_stages=1)]
     set_on.clear()
@@ -218,16 +224,7 @@ def test_use_qcoll_replicate_settings_need_replicate_group(monkeypatch, keywords
 ])
 def test_use_qcoll_replicate_defaults_without_group(monkeypatch, keywords):
     # The defaults spelled out act on nothing either way: no error, the comms set as usual.
-    set_on = []
-
-    class Recorder:
-        def set_custom_all_gather(self, comm):
-            set_on.append(comm.policy)
-
-        def set_custom_reduce_scatter(self, comm):
-            set_on.append(comm.policy)
-
-    monkeypatch.setattr(qcoll.fsdp, "_fsdp_modules", lambda module: [Recorder()])
+    set_on = _record_policies(monkeypatch)
     qcoll.fsdp.use_qcoll(None, **keywords)
     assert set_on == [ALL_GATHER, REDUCE_SCATTER]
 
