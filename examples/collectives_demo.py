@@ -86,6 +86,7 @@ def worker(rank, world, node_size, numel, store):
             print(f"{name:38}{err:11.2e}{intra / 1e6:10.2f}{inter / 1e6:10.2f}{secs * 1e3:9.1f}")
         base, q = rows[0][3], rows[1][3]
         print(f"\ncross-node bytes of the gradient reduce-scatter: {q / base:.3f}x of torch's")
+    qcoll.destroy()  # qcoll's groups first, while the interpreter lives (as the README's teardown)
     dist.destroy_process_group()
 
 

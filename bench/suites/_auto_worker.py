@@ -111,6 +111,7 @@ def main() -> None:
             trials = {f"{lo}-{hi}": d for (lo, hi), d in group.gather_paths.items()}
             json.dump({"rows": rows, "model": model.to_dict(), "probe_s": probe_s, "gather_trials": trials}, f)
     dist.barrier()
+    qcoll.destroy()  # qcoll's groups first, while the interpreter lives (as the README's teardown)
     dist.destroy_process_group()
 
 

@@ -75,6 +75,7 @@ def main() -> None:
         with open(cfg["out"], "w") as f:
             json.dump({"rows": rows}, f)
     dist.barrier()
+    qcoll.destroy()  # qcoll's groups first, while the interpreter lives (as the README's teardown)
     dist.destroy_process_group()
 
 

@@ -164,6 +164,7 @@ def main() -> None:
         with open(cfg["out"], "w") as f:
             json.dump({"cells": cells}, f)
     dist.barrier()
+    qcoll.destroy()  # qcoll's groups first, while the interpreter lives (as the README's teardown)
     dist.destroy_process_group()
 
 

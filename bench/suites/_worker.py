@@ -451,6 +451,7 @@ def main() -> None:
             json.dump({"rows": rows, "backend": dist.get_backend(),
                        "torch_calls": [TORCH_AG.__name__, TORCH_RS.__name__]}, f)
     dist.barrier()
+    qcoll.destroy()  # qcoll's groups first, while the interpreter lives (as the README's teardown)
     dist.destroy_process_group()
 
 

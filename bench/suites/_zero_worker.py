@@ -308,6 +308,7 @@ def main() -> None:
         with open(cfg["out"], "w") as f:
             json.dump({"rows": rows, "params": n_params, "entropy": language.entropy}, f)
     dist.barrier()
+    qcoll.destroy()  # qcoll's groups first, while the interpreter lives (as the README's teardown)
     dist.destroy_process_group()
 
 
