@@ -36,7 +36,7 @@ from .reduce_scatter import quantized_reduce_scatter
 from .error_feedback import ErrorFeedback
 from .group import Group, pg_timeout, resolve_group
 from .policy import (ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, AllGatherPolicy, AllReducePolicy,
-                     ReduceScatterPolicy, check_stages, take_policy)
+                     ReduceScatterPolicy, check_stages, off_defaults, take_policy)
 
 MIN_TORCH = "2.9"
 
@@ -380,14 +380,10 @@ def use_qcoll(module: torch.nn.Module, *, weight_bits=ALL_GATHER.bits,
         raise TypeError(f"replicate_error_feedback must be True or False, got {replicate_error_feedback!r}")
     if replicate_group is None:
         # The replicas' settings act only through replicate_group: without it they would be
-        # ignored, and FSDP2's own HSDP all-reduce (if any) would run unquantized. Bits compare
-        # by their canonical name (8 and "int8" are the same default).
-        given = [name for name, value, default in (
-            ("replicate_bits", format_name(replicate_bits, allow_none=True), format_name(ALL_REDUCE.bits, allow_none=True)),
-            ("replicate_inter_bits", format_name(replicate_inter_bits, allow_none=True),
-             format_name(ALL_REDUCE.inter_bits, allow_none=True)),
-            ("replicate_error_feedback", replicate_error_feedback, True),
-            ("replicate_policy", replicate_policy, None)) if value != default]
+        # ignored, and FSDP2's own HSDP all-reduce (if any) would run unquantized.
+        given = off_defaults(dict(bits=replicate_bits, inter_bits=replicate_inter_bits), ALL_REDUCE, "replicate_")
+        given += [name for name, value, default in (("replicate_error_feedback", replicate_error_feedback, True),
+                                                     ("replicate_policy", replicate_policy, None)) if value != default]
         if given:
             raise TypeError(f"{', '.join(given)}: act only with replicate_group= (the replicas' ProcessGroup "
                             "or qcoll.Group, e.g. mesh.get_group('replicate')); pass it, or leave "

@@ -35,7 +35,7 @@ import dataclasses
 import functools
 from typing import Optional, Union
 
-from ._formats import RAW_CODE, format_code
+from ._formats import RAW_CODE, format_code, format_name
 from .quantization import check_group_size, check_hadamard
 
 Bits = Union[int, str, None]  # 8 / "int8", 4 / "int4", "fp8_e4m3" or None (unquantized)
@@ -263,6 +263,15 @@ def host_all_reduce_tail_apart(nbytes: int) -> bool:
     return nbytes >= HOST_TAIL_APART_MIN_BYTES
 
 
+def off_defaults(keywords: dict, defaults: _Policy, prefix: str = "") -> list:
+    """prefix + field of each {field: value as passed} that differs from `defaults`' field;
+    bits compare by their canonical name (8 and "int8" are one setting)."""
+    def canonical(field: str, value):
+        return format_name(value, prefix + field, allow_none=True) if field.endswith("bits") else value
+    return [prefix + field for field, value in keywords.items()
+            if canonical(field, value) != canonical(field, getattr(defaults, field))]
+
+
 def take_policy(policy, loose: _Policy, defaults: _Policy, name: str = "policy",
                 prefix: str = "", *, keywords: Optional[dict] = None) -> _Policy:
     """A plug-in's policy: `policy` as given, else `loose` (built from its loose keywords,
@@ -287,7 +296,7 @@ def take_policy(policy, loose: _Policy, defaults: _Policy, name: str = "policy",
         raise TypeError(f"{name} must be a qcoll.{cls.__name__}, 'auto' or None, got {type(policy).__name__}")
     if keywords is None:
         keywords = {f.name: getattr(loose, f.name) for f in dataclasses.fields(cls)}
-    changed = [prefix + field for field, value in keywords.items() if value != getattr(defaults, field)]
+    changed = off_defaults(keywords, defaults, prefix)
     if changed:
         raise TypeError(f"pass either {name}= or {', '.join(changed)}, not both")
     return policy

@@ -166,6 +166,9 @@ def test_plugins_take_a_policy_instead_of_loose_keywords():
     # The default block spelled out is no conflict, as for the all-gather.
     assert QuantizedReduceScatter(group_size=qcoll.DEFAULT_GROUP_SIZE, policy=rs).policy is rs
     assert QuantizedAllGather(group_size=qcoll.DEFAULT_GROUP_SIZE, policy=ag).policy is ag
+    # So is the default format in its other spelling (8 is "int8").
+    assert QuantizedAllGather(bits=format_name(ALL_GATHER.bits), policy=ag).policy is ag
+    assert QuantizedReduceScatter(inter_bits=format_name(REDUCE_SCATTER.inter_bits), policy=rs).policy is rs
 
 
 def _record_policies(monkeypatch) -> list:
