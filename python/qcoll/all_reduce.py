@@ -53,10 +53,12 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     2. all-gather of the shards at `inter_bits or bits` when the group spans nodes (bits on
        one node): every rank, the shard's owner too, decodes the same bytes, so the result
        is bit-identical on every rank.
-    bits=None (inter_bits None too) is unquantized: on CPU the transport's own all-reduce
-    (gloo's, torch's same call) for fp32; for bf16/fp16 from 1 MB the flat reduce-scatter of
-    the raw inputs then the all-gather (hierarchical is ignored), below 1 MB the transport's
-    all-reduce of fp32 copies; on GPU the two halves (a flat bf16/fp16 reduce-scatter
+    bits=None (inter_bits None too) is unquantized: on CPU, from 4 ranks, the flat
+    reduce-scatter of the raw inputs then the all-gather (hierarchical is ignored), except
+    fp32 tensors over 1 MB, which take the transport's own all-reduce (gloo's, torch's same
+    call); on 2-3 ranks the transport's all-reduce (of fp32 copies for bf16/fp16), except
+    bf16/fp16 from 1 MB, which take the flat exchange (policy.unquantized_host_all_reduce);
+    on GPU the two halves (a flat bf16/fp16 reduce-scatter
     exchanging the raw inputs, a 2-hop one carrying fp32 partial sums across nodes). Every
     way the sum is fp32 and rounded once to the tensor's dtype, so a bf16/fp16 result is
     within half an ulp of the fp32 sum of the inputs (gloo's and NCCL's own bf16 sums round
@@ -91,9 +93,9 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     host = not on_gpu(tensor.device)
     if rs.unquantized and host and call.has_transport_all_reduce(g, tensor.device):
         # (error feedback has nothing to keep)
-        if unquantized_host_all_reduce(tensor.element_size(), numel) == "transport":
+        if unquantized_host_all_reduce(tensor.element_size(), numel, size) == "transport":
             return _transport_all_reduce(g, tensor, code, op_code, async_op)
-        hierarchical = False  # the raw inputs straight to their owner
+        hierarchical, raw_exchange = False, True  # the raw inputs straight to their owner (fp32 too)
     # A size that does not split into whole shards: the prefix that does, reduced in place,
     # and the last numel % size elements apart (policy.host_all_reduce_tail_apart), or the
     # tensor copied into a padded buffer and back.

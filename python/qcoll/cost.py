@@ -84,8 +84,8 @@ _CALIBRATION_TARGET_S = 0.1
 _CALIBRATION_REPEATS = 7  # timed calls per size (_cost_probe.typical_time; more for short calls)
 _CALIBRATION_DTYPE = torch.bfloat16
 # The kinds of call each collective calibrates (CostModel.kind): every path auto weighs.
-# The bits=None all-reduce of host bf16/fp16 tensors switches path at
-# policy.UNQUANTIZED_EXCHANGE_MIN_BYTES: its calls from there are calibrated apart
+# The bits=None all-reduce of host tensors takes one of two paths, by dtype, size and number
+# of ranks (policy.unquantized_host_all_reduce): its calls on the exchange are calibrated apart
 # ("uncompressed exchange"), each path at every size (policy.host_all_reduce_path). As one
 # kind, the 1 MB calls (the exchange) were predicted through a 512 KB point of the other
 # path, in one auto run at half their time (bench/results/auto-cpu-9ee9638-tm.json).
@@ -395,11 +395,11 @@ class CostModel:
 
     def calibration_key(self, collective: str, numel: int, dtype: torch.dtype, policy) -> str:
         """"<collective>/<kind>" of the calibration a call's prediction runs through: its
-        kind, the bits=None all-reduce of host bf16/fp16 tensors by the path it takes
+        kind, the bits=None all-reduce of host tensors by the path it takes
         (see KINDS)."""
         kind = self.kind(collective, policy)
         if (collective == "all_reduce" and policy.unquantized and self.device == "cpu"
-                and unquantized_host_all_reduce(dtype.itemsize, numel) == "exchange"):
+                and unquantized_host_all_reduce(dtype.itemsize, numel, self.world) == "exchange"):
             kind = "uncompressed exchange"
         return f"{collective}/{kind}"
 
@@ -531,10 +531,10 @@ class CostModel:
         uneven = []  # what a numel that is not a multiple of world adds (as all_reduce.py does it)
         transport = False  # gloo's own all-reduce (its gather half a ring)
         if p.unquantized and self.device == "cpu":
-            if unquantized_host_all_reduce(dtype.itemsize, numel) == "transport":
+            if unquantized_host_all_reduce(dtype.itemsize, numel, self.world) == "transport":
                 dtype, raw_exchange, transport = torch.float32, False, True  # its all-reduce of fp32 values
-            else:
-                rs = dataclasses.replace(rs, hierarchical=False)
+            else:  # the raw inputs straight to their owner, fp32 too
+                rs, raw_exchange = dataclasses.replace(rs, hierarchical=False), True
         if numel % self.world and not transport:
             if self.device == "cpu" and host_all_reduce_tail_apart(numel * dtype.itemsize):
                 # the last elements by an all-gather of fp32 copies, summed where they land

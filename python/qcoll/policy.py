@@ -190,7 +190,8 @@ class AllReducePolicy(_Policy):
     def raw_exchange(self, itemsize: int) -> bool:
         """Whether the reduce-scatter half, when flat, exchanges the raw inputs and sums them
         in fp32 (the plan's raw_exchange) rather than being the transport's own: unquantized
-        bf16/fp16, so that the all-reduce rounds once."""
+        bf16/fp16, so that the all-reduce rounds once (and every unquantized host call on the
+        "exchange" path: unquantized_host_all_reduce)."""
         return self.unquantized and itemsize != 4
 
     def reduce_scatter(self) -> ReduceScatterPolicy:
@@ -200,38 +201,51 @@ class AllReducePolicy(_Policy):
                       self.pipeline_stages, self.hierarchical)
 
 
-# A bits=None bf16/fp16 all-reduce of host tensors over a transport with its own all-reduce
-# (gloo) sums in fp32 and rounds once on one of two paths, by size:
-# - "transport", below this many bytes: the transport's all-reduce of fp32 copies (twice the
-#   bytes, but one exchange); fp32 tensors always (the transport's sum is qcoll's);
-# - "exchange", from it: the flat reduce-scatter that sends the raw inputs to their owner
-#   (the plan's raw_exchange: an all-to-all, the bytes of a bf16 ring's reduce half), summed
-#   there in fp32, then the all-gather of the rounded shards. At 4-64 MB the fp32 all-reduce
-#   ran 1.7-2.2x torch's bf16 one, this 0.9-1.4x; at 64-256 KB this ran 1.24-1.33x, the
-#   fp32 one 1.08-1.22x; at 1 MB 1.13-1.15x against 1.20-1.29x
-#   (bench/results/probe-bf16-all-reduce-cpu.txt).
+# A bits=None all-reduce of host tensors over a transport with its own all-reduce (gloo)
+# sums in fp32 and rounds once on one of two paths:
+# - "exchange": the flat reduce-scatter that sends the raw inputs to their owner (the plan's
+#   raw_exchange: an all-to-all, the bytes of a ring's reduce half), summed there in fp32,
+#   then the all-gather of the rounded shards: two rounds of exchanges whatever the number
+#   of ranks;
+# - "transport": the transport's own all-reduce (gloo's ring: 2 (ranks - 1) rounds), of the
+#   tensor itself for fp32, of fp32 copies (twice the bytes) for bf16/fp16.
+# From EXCHANGE_MIN_RANKS ranks the exchange, except fp32 tensors of more than
+# FP32_EXCHANGE_MAX_BYTES (a ring's rounds then cost less than the exchange's extra passes
+# over the values); on fewer ranks (as many rounds either way) the transport, except
+# bf16/fp16 from UNQUANTIZED_EXCHANGE_MIN_BYTES (half the bytes of the fp32 copies). Against
+# torch's same call, 2-core VM, one thread per rank
+# (bench/results/probe-host-all-reduce-paths-cpu.txt): fp32 at 1 KB-256 KB the exchange
+# 0.81-0.91x on 4 ranks, 0.53-0.69x on 6, 0.51-0.57x on 8, the transport 0.92-1.12x; at 1 MB
+# as close as the runs' spread on 4 ranks, ahead on 6 and 8; from 2 MB the ring ahead on 4
+# and 6 (fp32 at 4 MB 1.09-1.49x against 1.03-1.04x). bf16 below 1 MB 0.79-0.98x on 4 ranks,
+# 0.54-0.68x on 6, against 0.92-1.13x; on 3 ranks the exchange the slower (fp32 1.0-1.78x,
+# bf16 0.88-1.40x, against 0.82-1.23x). At 4-64 MB bf16 the exchange 0.9-1.4x, the fp32
+# copies' all-reduce 1.7-2.2x (bench/results/probe-bf16-all-reduce-cpu.txt).
+EXCHANGE_MIN_RANKS = 4
+FP32_EXCHANGE_MAX_BYTES = 1 << 20
 UNQUANTIZED_EXCHANGE_MIN_BYTES = 1 << 20
-
 
 HOST_ALL_REDUCE_PATHS = ("transport", "exchange")
 _forced_host_path: contextvars.ContextVar = contextvars.ContextVar("qcoll_host_all_reduce_path", default=None)
 
 
-def unquantized_host_all_reduce(itemsize: int, numel: int) -> str:
-    """The path of a bits=None all-reduce of host tensors: "transport" or "exchange" (above)."""
-    if itemsize == 4:
-        return "transport"
+def unquantized_host_all_reduce(itemsize: int, numel: int, ranks: int) -> str:
+    """The path of a bits=None all-reduce of host tensors over `ranks` ranks: "transport" or
+    "exchange" (above)."""
     forced = _forced_host_path.get()
     if forced is not None:
         return forced
-    return "transport" if numel * itemsize < UNQUANTIZED_EXCHANGE_MIN_BYTES else "exchange"
+    nbytes = numel * itemsize
+    if ranks >= EXCHANGE_MIN_RANKS:
+        return "transport" if itemsize == 4 and nbytes > FP32_EXCHANGE_MAX_BYTES else "exchange"
+    return "exchange" if itemsize != 4 and nbytes >= UNQUANTIZED_EXCHANGE_MIN_BYTES else "transport"
 
 
 @contextlib.contextmanager
 def host_all_reduce_path(path: Optional[str]):
     """Within it, in this context (a context variable: threads started inside do not see
-    it), every bits=None all-reduce of host values other than fp32 takes `path` whatever its
-    size, and the cost model prices that path (None: by size, as always). For the cost
+    it), every bits=None all-reduce of host values takes `path` whatever its size, dtype and
+    number of ranks, and the cost model prices that path (None: by the rule above). For the cost
     probe, which times both paths at every size it calibrates so that a prediction near
     the switch runs through points of its own path, and for tests: policy="auto" keeps
     its decisions by call description, not by this path."""

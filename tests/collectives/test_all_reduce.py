@@ -15,6 +15,7 @@ import torch.distributed as dist
 import qcoll
 from tests.support import reference as ref
 from tests.support.distributed import run_ranks
+from tests.collectives.test_round_once import over_half_ulp
 from tests.collectives.test_collectives_quantized import (
     DEFAULT_GROUP_SIZE,
     F32,
@@ -97,22 +98,23 @@ def _all_reduce_worker(rank, world, node_size, cases):
         qcoll.policy.HOST_TAIL_APART_MIN_BYTES = 0 if case["tail_apart"] else 1 << 40
         inputs = [gradient_like(numel, dtype, "ar", world, r) for r in range(world)]
         unquantized = bits is None and inter_bits is None and world > 1
-        # bf16/fp16 unquantized: the fp32 all-reduce below 1 MB, the flat exchange from it
-        # (forced here at every size by a threshold of 0).
-        paths = ("fp32 all-reduce", "exchange") if unquantized and dtype != F32 else ("",)
+        # Unquantized: the transport's all-reduce (of fp32 copies for bf16/fp16) or the flat
+        # exchange, by dtype, size and number of ranks (policy.unquantized_host_all_reduce):
+        # each forced here at every size.
+        paths = ("transport", "exchange") if unquantized else (None,)
         for op, path in [(op, path) for op in ("avg", "sum") for path in paths]:
             kw = dict(op=op, bits=bits, inter_bits=inter_bits, group_size=case["group_size"],
                       pipeline_stages=case["stages"], hierarchical=case["hierarchical"])
             what = f"{dtype} numel={numel} world={world}/{node_size} {kw} {path}"
             x = inputs[rank].clone()
-            qcoll.policy.UNQUANTIZED_EXCHANGE_MIN_BYTES = 0 if path == "exchange" else 1 << 20
-            qcoll.quantized_all_reduce(x, g, **kw)
+            with qcoll.policy.host_all_reduce_path(path):
+                qcoll.quantized_all_reduce(x, g, **kw)
             expected, bound = simulate_all_reduce(
                 inputs, node_size, dtype=dtype, op=op, bits=bits, inter_bits=inter_bits,
                 group_size=case["group_size"] or DEFAULT_GROUP_SIZE, stages=case["stages"],
                 hierarchical=False if path == "exchange" else case["hierarchical"],
                 tail_apart=case["tail_apart"])
-            if unquantized and path != "exchange":
+            if path == "transport":
                 expected, bound = _transport_all_reduce(inputs, rank, op)
             ref.assert_same_bits(x, expected, what)
             err = (x.double() - _exact(inputs, op)).abs()
@@ -313,6 +315,61 @@ def _tail_boundary_worker(rank, world):
 def test_tail_apart_from_the_default_threshold():
     sizes, edge = run_ranks(4, _tail_boundary_worker)[0]
     assert sizes == {edge - 1: edge, edge + 1: edge}  # 4 | edge: padded up, or rounded down
+
+
+# ---- the unquantized host paths -----------------------------------------------------------
+@pytest.mark.parametrize("itemsize,nbytes,ranks,path", [
+    (4, 1024, 4, "exchange"), (4, 1 << 20, 4, "exchange"), (4, (1 << 20) + 4, 4, "transport"),
+    (4, 1024, 8, "exchange"), (4, 64 << 20, 6, "transport"),
+    (4, 1024, 3, "transport"), (4, 1024, 2, "transport"),
+    (2, 1024, 4, "exchange"), (2, 64 << 20, 6, "exchange"),
+    (2, (1 << 20) - 2, 3, "transport"), (2, 1 << 20, 3, "exchange"), (2, 1 << 20, 2, "exchange"),
+])
+def test_unquantized_host_path_by_dtype_size_and_ranks(itemsize, nbytes, ranks, path):
+    # The rule of policy.unquantized_host_all_reduce, at its edges: from 4 ranks the exchange
+    # (two rounds) except fp32 over 1 MB; below, the transport except bf16/fp16 from 1 MB.
+    assert qcoll.policy.unquantized_host_all_reduce(itemsize, nbytes // itemsize, ranks) == path
+    other = "transport" if path == "exchange" else "exchange"
+    with qcoll.policy.host_all_reduce_path(other):  # forced, whatever the rule says
+        assert qcoll.policy.unquantized_host_all_reduce(itemsize, nbytes // itemsize, ranks) == other
+
+
+def _default_path_worker(rank, world, node_size, numel, dtype):
+    """Which path a default bits=None call takes (the transport's all-reduce refused or
+    counted), and that its result is the fp32 sum rounded once, identical on every rank."""
+    import qcoll.all_reduce as module
+
+    taken = []
+    transport = module._transport_all_reduce
+
+    def counted(*args, **kwargs):
+        taken.append("transport")
+        return transport(*args, **kwargs)
+    module._transport_all_reduce = counted
+    g = qcoll.new_group(node_size=node_size)
+    inputs = [gradient_like(numel, dtype, "path", world, r) for r in range(world)]
+    x = inputs[rank].clone()
+    qcoll.quantized_all_reduce(x, g, op="sum", bits=None)
+    # Summed in fp32 (in the path's order): within the fp32 sums' slack of the exact sum;
+    # bf16 rounded once: at most half an ulp past that.
+    if dtype == F32:
+        slack = world * 2.0**-24 * torch.stack([t.double().abs() for t in inputs]).sum(0)
+        assert bool(((x.double() - _exact(inputs, "sum")).abs() <= slack).all())
+    else:
+        assert over_half_ulp(x, inputs, 1) <= 1
+    return (taken[0] if taken else "exchange"), x
+
+
+@pytest.mark.parametrize("world,node_size,numel,dtype", [
+    (4, 2, 1001, F32), (4, 2, (1 << 18) + 1, F32), (3, 3, 1001, F32), (3, 3, 1001, torch.bfloat16),
+    (4, 2, 1001, torch.bfloat16),
+])
+def test_default_unquantized_host_path(world, node_size, numel, dtype):
+    results = run_ranks(world, _default_path_worker, node_size, numel, dtype, timeout=120)
+    expected = qcoll.policy.unquantized_host_all_reduce(dtype.itemsize, numel, world)
+    assert [path for path, _ in results] == [expected] * world
+    for _, x in results[1:]:
+        assert torch.equal(x, results[0][1])
 
 
 def _ef_state_worker(rank, world):

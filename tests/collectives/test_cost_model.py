@@ -75,13 +75,32 @@ def test_predicted_raw_all_gather_by_hand():
     assert p.seconds == pytest.approx(6 * n / (8 * GBIT) + 6 * n / GBIT + 1e-3)
 
 
-def test_unquantized_bf16_all_reduce_predicted_on_the_path_it_takes():
-    """Below 1 MB the transport's all-reduce of fp32 copies (predicted as the fp32 call);
-    from 1 MB the raw exchange: an all-to-all of the raw bf16 partitions (sent as they lie:
-    no headers, no copy) summed at the owner, then the transport's ring all-gather."""
-    m = synthetic()
+def test_unquantized_all_reduce_predicted_on_the_path_it_takes():
+    """A bits=None host all-reduce is predicted on the path it takes
+    (policy.unquantized_host_all_reduce). The transport's: of fp32 copies for bf16
+    (predicted as the fp32 call). The raw exchange (from 4 ranks bf16 at every size, fp32 to
+    1 MB): an all-to-all of the raw partitions (sent as they lie: no headers, no copy)
+    summed at the owner, then the transport's all-gather."""
+    from qcoll.policy import host_all_reduce_path
+
     raw = AllReducePolicy(bits=None)
-    assert m.predict("all_reduce", 1 << 18, torch.bfloat16, raw) == m.predict("all_reduce", 1 << 18, torch.float32, raw)
+    for world in (4, 2):  # 2 x 2 and 1 x 2
+        m = synthetic(world=world)
+        predict = lambda numel, dtype: m.predict("all_reduce", numel, dtype, raw)  # noqa: E731
+        with host_all_reduce_path("transport"):
+            assert predict(1 << 18, torch.bfloat16) == predict(1 << 18, torch.float32)
+            transport = {n: predict(n, torch.float32) for n in (1 << 18, (1 << 18) + world)}
+            transport["bf16"] = predict(1 << 18, torch.bfloat16)
+        with host_all_reduce_path("exchange"):
+            exchange = {n: predict(n, torch.float32) for n in transport if n != "bf16"}
+            exchange["bf16"] = predict(1 << 18, torch.bfloat16)
+        for n in transport:  # fp32 at its edge (1 MB) and past it, bf16 at 512 KB
+            itemsize, numel = (2, 1 << 18) if n == "bf16" else (4, n)
+            path = qcoll.policy.unquantized_host_all_reduce(itemsize, numel, world)
+            dtype = torch.bfloat16 if n == "bf16" else torch.float32
+            assert predict(numel, dtype) == (transport if path == "transport" else exchange)[n]
+            assert exchange[n] != transport[n]
+    m = synthetic()
     p = m.predict("all_reduce", 1 << 20, torch.bfloat16, raw)  # 2 MB: 512 KB partitions
     part = (1 << 18) * 2
     # all-to-all: 1 local peer, 2 remote; ring all-gather: 3 edges, half of them cross nodes
@@ -90,9 +109,9 @@ def test_unquantized_bf16_all_reduce_predicted_on_the_path_it_takes():
 
 
 def test_transport_all_reduce_gathers_by_its_ring(monkeypatch):
-    """The transport's own all-reduce (fp32; bf16 below 1 MB) is gloo's, its gather half a
-    ring whatever size the transport's all-gather takes the all-to-all up to; past that
-    size the all-gather is the faster of the two paths by the rates (the transport measures
+    """The transport's own all-reduce (its path of policy.unquantized_host_all_reduce) is
+    gloo's, its gather half a ring whatever size the transport's all-gather takes the
+    all-to-all up to; past that size the all-gather is the faster of the two paths by the rates (the transport measures
     which), on this 1 Gbit/s link the ring with its fewer bytes across nodes."""
     from qcoll import _torch_transport
 
@@ -101,7 +120,8 @@ def test_transport_all_reduce_gathers_by_its_ring(monkeypatch):
     predicted = {}
     for limit in (0, 1 << 40):
         monkeypatch.setattr(_torch_transport, "ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES", limit)
-        ar = m.predict("all_reduce", n, torch.float32, AllReducePolicy(bits=None))
+        with qcoll.policy.host_all_reduce_path("transport"):
+            ar = m.predict("all_reduce", n, torch.float32, AllReducePolicy(bits=None))
         ag = m.predict("allgather", n // 4, torch.float32, AllGatherPolicy(bits=None))
         predicted[limit] = ((ar.intra_bytes, ar.inter_bytes), (ag.intra_bytes, ag.inter_bytes))
     assert predicted[0][0] == predicted[1 << 40][0]  # the all-reduce: the ring either way
@@ -821,18 +841,26 @@ def test_probe_measures_the_overlap_a_spare_core_gives():
 
 
 def test_bits_none_all_reduce_calibrated_by_its_host_path():
-    # A bf16 bits=None all-reduce of host tensors from 1 MB takes the exchange, below it the
-    # transport's all-reduce of fp32 copies (fp32: always): each runs through its own
-    # points, so a 1 MB prediction is not scaled from a 512 KB point of the other path.
+    # A bits=None all-reduce of host tensors takes the exchange or the transport's all-reduce
+    # by dtype, size and ranks (on 2 ranks bf16 from 1 MB the exchange, below it the
+    # transport's all-reduce of fp32 copies; on 4 fp32 to 1 MB the exchange, past it the
+    # transport's): each runs through its own points, so a 1 MB prediction is not scaled
+    # from a 512 KB point of the other path.
     from qcoll.policy import UNQUANTIZED_EXCHANGE_MIN_BYTES, host_all_reduce_path
 
-    m = synthetic()
+    m, pair = synthetic(), synthetic(world=2)
     bits_none, quantized = AllReducePolicy(bits=None), AllReducePolicy()
     small, large = UNQUANTIZED_EXCHANGE_MIN_BYTES // 2 - 1, UNQUANTIZED_EXCHANGE_MIN_BYTES // 2  # bf16 numel
-    key = lambda numel, dtype=torch.bfloat16, policy=bits_none, model=m: model.calibration_key(
+    key = lambda numel, dtype=torch.bfloat16, policy=bits_none, model=m: model.calibration_key(  # noqa: E731
         "all_reduce", numel, dtype, policy)
-    assert key(small) == "all_reduce/uncompressed" and key(large) == "all_reduce/uncompressed exchange"
-    assert key(1 << 24, torch.float32) == "all_reduce/uncompressed"
+    assert key(small, model=pair) == "all_reduce/uncompressed"
+    assert key(large, model=pair) == "all_reduce/uncompressed exchange"
+    assert key(small) == key(large) == "all_reduce/uncompressed exchange"
+    assert key(1 << 18, torch.float32) == "all_reduce/uncompressed exchange"
+    assert key((1 << 18) + 4, torch.float32) == key(1 << 24, torch.float32) == "all_reduce/uncompressed"
+    small, large = (1 << 18) + 4, 1 << 18  # fp32 numel: the transport's, the exchange
+    key = lambda numel, dtype=torch.float32, policy=bits_none, model=m: model.calibration_key(  # noqa: E731
+        "all_reduce", numel, dtype, policy)
     assert key(large, policy=quantized) == "all_reduce/quantized 2-hop"
     gpu = CostModel(m.world, m.node_size, "cuda", m.intra, m.inter, m.kernels)
     assert key(large, model=gpu) == "all_reduce/uncompressed"  # no host paths on a GPU
@@ -849,8 +877,8 @@ def test_bits_none_all_reduce_calibrated_by_its_host_path():
     cal = {"all_reduce/uncompressed": Calibration(0.0, 2.0), "all_reduce/uncompressed exchange": Calibration(0.0, 5.0)}
     calibrated = CostModel(m.world, m.node_size, m.device, m.intra, m.inter, m.kernels, calibration=cal)
     for numel, scale in ((small, 2.0), (large, 5.0)):
-        raw = m.predict("all_reduce", numel, torch.bfloat16, bits_none).seconds
-        assert calibrated.predict("all_reduce", numel, torch.bfloat16, bits_none).seconds == pytest.approx(scale * raw)
+        raw = m.predict("all_reduce", numel, torch.float32, bits_none).seconds
+        assert calibrated.predict("all_reduce", numel, torch.float32, bits_none).seconds == pytest.approx(scale * raw)
 
 
 def test_checks():

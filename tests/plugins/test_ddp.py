@@ -85,10 +85,8 @@ def _bf16_round_once_worker(rank, world):
 
     import qcoll.all_reduce
 
-    # Every bucket through the raw exchange (from 1 MB in use; these buckets are smaller),
-    # never the transport's all-reduce of fp32 copies, which would round once too.
-    qcoll.policy.UNQUANTIZED_EXCHANGE_MIN_BYTES = 0
-
+    # Every bucket through the raw exchange (4 ranks: bf16 of every size), never the
+    # transport's all-reduce of fp32 copies, which would round once too.
     def refuse(*args, **kwargs):
         raise AssertionError("the bucket took the transport's all-reduce, not the raw exchange")
     qcoll.all_reduce._transport_all_reduce = refuse
@@ -104,7 +102,7 @@ def _bf16_round_once_worker(rank, world):
         every = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(every, mine)
         want = (torch.stack(every).float().sum(0) / world).to(torch.bfloat16)
-        assert qcoll.policy.unquantized_host_all_reduce(2, mine.numel()) == "exchange"
+        assert qcoll.policy.unquantized_host_all_reduce(2, mine.numel(), world) == "exchange"
 
         def compare(fut):
             got = fut.value()
