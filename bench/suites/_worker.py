@@ -341,8 +341,9 @@ def overlap_rows(b: Bench, group, cfg: dict, device) -> list:
 def all_reduce_rows(b: Bench, group, cfg: dict, device, size: int, dtype, stages) -> list:
     """qcoll.quantized_all_reduce (int8 in the node, int4 across: the DDP hook's defaults)
     against torch's all_reduce of the same tensor (`size` bytes; gloo has no AVG: SUM then
-    divide) and the same baseline through qcoll (bits=None, hierarchical=False: the
-    transport's reduce-scatter + all-gather, counted by qcoll's rule). Each call starts from
+    divide) and the same baseline through qcoll (bits=None: the path
+    policy.unquantized_host_all_reduce takes, from 4 ranks the raw exchange, counted by
+    qcoll's rule). Each call starts from
     a copy of the input (every impl pays the same copy)."""
     world, rank = b.world, b.rank
     numel = max(1, size // dtype.itemsize)

@@ -11,7 +11,8 @@ reduce-scatter's input, bf16) and collective, three implementations:
                    names torch >= 2.9 gives all_gather_into_tensor / reduce_scatter_tensor;
                    gloo has no AVG: SUM then divide)
   torch-via-qcoll  the same collective through qcoll (bits=None, hierarchical=False), which
-                   counts its bytes by qcoll's rule
+                   counts its bytes by qcoll's rule (the all-reduce: from 4 ranks qcoll's raw
+                   exchange, not the transport's call)
   qcoll            qwZ int8 all-gather; 2-hop qgZ reduce-scatter (int8 in the node, int4
                    across, fp32 reduce); all-reduce = that reduce-scatter, then an int4
                    all-gather of the reduced shards (quantized_all_reduce(bits=8,

@@ -190,8 +190,9 @@ class AllReducePolicy(_Policy):
     def raw_exchange(self, itemsize: int) -> bool:
         """Whether the reduce-scatter half, when flat, exchanges the raw inputs and sums them
         in fp32 (the plan's raw_exchange) rather than being the transport's own: unquantized
-        bf16/fp16, so that the all-reduce rounds once (and every unquantized host call on the
-        "exchange" path: unquantized_host_all_reduce)."""
+        bf16/fp16, so that the all-reduce rounds once. (A host call on the "exchange" path of
+        unquantized_host_all_reduce exchanges the raw inputs whatever its dtype: all_reduce.py
+        and the cost model set it there.)"""
         return self.unquantized and itemsize != 4
 
     def reduce_scatter(self) -> ReduceScatterPolicy:
@@ -211,11 +212,13 @@ class AllReducePolicy(_Policy):
 #   tensor itself for fp32, of fp32 copies (twice the bytes) for bf16/fp16.
 # From EXCHANGE_MIN_RANKS ranks the exchange, except fp32 tensors of more than
 # FP32_EXCHANGE_MAX_BYTES (a ring's rounds then cost less than the exchange's extra passes
-# over the values); on fewer ranks (as many rounds either way) the transport, except
+# over the values); on 2-3 ranks (where it measured no faster) the transport, except
 # bf16/fp16 from UNQUANTIZED_EXCHANGE_MIN_BYTES (half the bytes of the fp32 copies). Against
 # torch's same call, 2-core VM, one thread per rank
-# (bench/results/probe-host-all-reduce-paths-cpu.txt): fp32 at 1 KB-256 KB the exchange
-# 0.81-0.91x on 4 ranks, 0.53-0.69x on 6, 0.51-0.57x on 8, the transport 0.92-1.12x; at 1 MB
+# (bench/results/probe-host-all-reduce-paths-cpu.txt): fp32 at 1 KB-256 KB on nodes of 2
+# ranks the exchange 0.81-0.91x on 4 ranks, 0.53-0.69x on 6, 0.51-0.57x on 8, the
+# transport 0.92-1.12x (4 ranks on one node or one per node: 0.83-0.99x against
+# 0.89-1.08x); at 1 MB
 # as close as the runs' spread on 4 ranks, ahead on 6 and 8; from 2 MB the ring ahead on 4
 # and 6 (fp32 at 4 MB 1.09-1.49x against 1.03-1.04x). bf16 below 1 MB 0.79-0.98x on 4 ranks,
 # 0.54-0.68x on 6, against 0.92-1.13x; on 3 ranks the exchange the slower (fp32 1.0-1.78x,

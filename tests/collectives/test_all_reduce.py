@@ -339,17 +339,29 @@ def _default_path_worker(rank, world, node_size, numel, dtype):
     counted), and that its result is the fp32 sum rounded once, identical on every rank."""
     import qcoll.all_reduce as module
 
-    taken = []
-    transport = module._transport_all_reduce
+    taken, plans = [], []
+    transport, reduce_scatter = module._transport_all_reduce, module.ReduceScatter
 
     def counted(*args, **kwargs):
         taken.append("transport")
         return transport(*args, **kwargs)
-    module._transport_all_reduce = counted
+
+    def planned(*args, **kwargs):
+        step = reduce_scatter(*args, **kwargs)
+        plans.append(step.plan)
+        return step
+    module._transport_all_reduce, module.ReduceScatter = counted, planned
     g = qcoll.new_group(node_size=node_size)
     inputs = [gradient_like(numel, dtype, "path", world, r) for r in range(world)]
     x = inputs[rank].clone()
     qcoll.quantized_all_reduce(x, g, op="sum", bits=None)
+    if not taken:  # the exchange: the raw inputs to their owner, one flat hop, summed there
+        assert len(plans) == 1 and not plans[0].transport_reduces
+        assert not plans[0].two_hop
+        expected, _ = simulate_all_reduce(inputs, node_size, op="sum", bits=None, inter_bits=None,
+                                          group_size=DEFAULT_GROUP_SIZE, stages=1, hierarchical=False,
+                                          dtype=dtype)
+        ref.assert_same_bits(x, expected, f"{dtype} numel={numel} world={world}")  # the rank-order sum
     # Summed in fp32 (in the path's order): within the fp32 sums' slack of the exact sum;
     # bf16 rounded once: at most half an ulp past that.
     if dtype == F32:

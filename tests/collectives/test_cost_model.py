@@ -106,6 +106,12 @@ def test_unquantized_all_reduce_predicted_on_the_path_it_takes():
     # all-to-all: 1 local peer, 2 remote; ring all-gather: 3 edges, half of them cross nodes
     assert (p.intra_bytes, p.inter_bytes) == (part + 3 * part // 2, 2 * part + 3 * part // 2)
     assert p.kernel_s == pytest.approx(4 * (1 << 18) / 4e9)  # the fp32 add of 4 sources, no encode
+    # fp32 at 1 MB takes the same exchange: its raw 256 KB partitions, not the transport's
+    # reduce-scatter (gloo's all-reduce of a copy)
+    p = m.predict("all_reduce", 1 << 18, torch.float32, raw)
+    part = (1 << 16) * 4
+    assert (p.intra_bytes, p.inter_bytes) == (part + 3 * part // 2, 2 * part + 3 * part // 2)
+    assert p.kernel_s == pytest.approx(4 * (1 << 16) / 4e9)
 
 
 def test_transport_all_reduce_gathers_by_its_ring(monkeypatch):

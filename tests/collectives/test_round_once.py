@@ -57,8 +57,9 @@ def _worker(rank, world, node_size, dtype, n, ar_numels, tail_apart):
         report[f"rs {op} stats"] = qcoll.stats()["reduce_scatter"]
         for numel in ar_numels:
             xs = _inputs(world, numel, dtype)
-            # Below 1 MB the fp32 all-reduce, from it the exchange: each forced here, as the
-            # cost probe forces them (its bytes below tell the path taken).
+            # The transport's all-reduce of fp32 copies and the exchange (which a call takes
+            # goes by dtype, size and ranks: policy.unquantized_host_all_reduce): each forced
+            # here, as the cost probe forces them (its bytes below tell the path taken).
             for path, forced in (("fp32", "transport"), ("exchange", "exchange")):
                 with qcoll.policy.host_all_reduce_path(forced):
                     if path == "exchange":  # its bytes below: a call whose signature is checked
