@@ -218,9 +218,8 @@ class AllReducePolicy(_Policy):
 # (bench/results/probe-host-all-reduce-paths-cpu.txt): fp32 at 1 KB-256 KB on nodes of 2
 # ranks the exchange 0.81-0.91x on 4 ranks, 0.53-0.69x on 6, 0.51-0.57x on 8, the
 # transport 0.92-1.12x (4 ranks on one node or one per node: 0.83-0.99x against
-# 0.89-1.08x); at 1 MB
-# as close as the runs' spread on 4 ranks, ahead on 6 and 8; from 2 MB the ring ahead on 4
-# and 6 (fp32 at 4 MB 1.09-1.49x against 1.03-1.04x). bf16 below 1 MB 0.79-0.98x on 4 ranks,
+# 0.89-1.08x); at 1 MB as close as the runs' spread on 4 ranks, ahead on 6 and 8; from 2 MB
+# the ring ahead on 4 and 6 (fp32 at 4 MB 1.09-1.49x against 1.03-1.04x). bf16 below 1 MB 0.79-0.98x on 4 ranks,
 # 0.54-0.68x on 6, against 0.92-1.13x; on 3 ranks the exchange the slower (fp32 1.0-1.78x,
 # bf16 0.88-1.40x, against 0.82-1.23x). At 4-64 MB bf16 the exchange 0.9-1.4x, the fp32
 # copies' all-reduce 1.7-2.2x (bench/results/probe-bf16-all-reduce-cpu.txt).
