@@ -252,8 +252,8 @@ struct SumFill {
       }
     }
     if (r.divisor != 1.0f) {
-      const float d = r.divisor;
-      for (int64_t i = 0; i < k; ++i) acc[i] = math::div(acc[i], d);
+      const math::Divisor d = math::make_divisor(r.divisor);
+      for (int64_t i = 0; i < k; ++i) acc[i] = math::divide(acc[i], d);
     }
     return acc;
   }

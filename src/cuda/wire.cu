@@ -87,10 +87,11 @@ struct SumLayout {  // reduce: chunk of output o, source s at input + o * out + 
 template <int N>
 __device__ __forceinline__ void divide(Packet (&p)[N], float divisor) {
   if (divisor == 1.0f) return;
+  const math::Divisor d = math::make_divisor(divisor);
 #pragma unroll
   for (int j = 0; j < N; ++j)
 #pragma unroll
-    for (int k = 0; k < kPacket; ++k) p[j].x[k] = math::div(p[j].x[k], divisor);
+    for (int k = 0; k < kPacket; ++k) p[j].x[k] = math::divide(p[j].x[k], d);
 }
 
 __device__ __forceinline__ void accumulate(Packet& acc, const Packet& d, bool first) {

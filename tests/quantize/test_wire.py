@@ -283,6 +283,32 @@ def test_reduce_non_finite_stays_non_finite(in_bits, out_name):
             assert bad[24:48].all() and bad.sum() == 24
 
 
+# Powers of two divide as a multiply by their exact inverse (quant_math.h: Divisor); the
+# others, and the largest powers, must still give the IEEE quotient bit for bit.
+@pytest.mark.parametrize("divisor", [2.0, 4.0, 0.5, 2.0**64, 2.0**126, 2.0**127, 3.0, 6.0, 1.5])
+def test_reduce_divides_exactly(divisor):
+    """Quotients that are subnormal, overflow, or round: the same bits as torch's division
+    of the fp32 sum (a tensor divide: IEEE per element) for a divisor given as fp32."""
+    n, sources = 96, 2
+    gen = generator("divide", str(divisor))
+    tiny = torch.rand(n // 3, generator=gen) * 2.0**-127  # subnormal sums and quotients
+    big = (torch.rand(n // 3, generator=gen) + 1.0) * 2.0**126  # sums near the top of fp32
+    mid = torch.randn(n // 3, generator=gen)
+    x0 = torch.cat([tiny, big, mid]).float()
+    x0[[1, 40, 80]] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    x1 = torch.cat([tiny * 0.75, -big * 0.5, mid * 3.0]).float()
+    cb = chunk_bytes(0, 256, torch.float32, n)
+    buf = torch.cat([ref_chunk(x0, 0, 256), ref_chunk(x1, 0, 256)])
+    got = run_reduce(buf, 0, 256, torch.float32, n, sources, cb, 1, 2 * cb, divisor,
+                     ("values", torch.float32, n))
+    total = x0 + x1
+    exp = total / torch.full_like(total, divisor)
+    ref.assert_same_bits(got, exp, f"/{divisor}")
+    if 1.0 <= divisor <= 8.0:  # the case the inverse must get right: rounded subnormal quotients
+        sub = exp[: n // 3]
+        assert ((sub != 0) & (sub.abs() < torch.finfo(torch.float32).tiny)).sum() > n // 6
+
+
 def test_reduce_single_source_is_decode():
     n, gs = 1000, 256
     x = make_values(n, torch.float32, "normal", gs)
