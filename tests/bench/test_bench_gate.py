@@ -24,6 +24,50 @@ def test_compare_flags_a_ratio_below_tolerance_of_its_floor():
     assert verdict["new"] == {}
 
 
+def _kernels(of_floor: list) -> tuple:
+    """Made-up kernel cells (floors 0.5) measured at the given fractions of their floors."""
+    floors = {f"kernel k{i} fp32 16 MB": 0.5 for i in range(len(of_floor))}
+    return {c: 0.5 * f for c, f in zip(floors, of_floor)}, floors
+
+
+def test_a_host_slower_at_every_kernel_lowers_their_floors_together():
+    """Every kernel at 0.65 of its floor (a slow host, unchanged code) passes; one of them
+    at 0.7 of that again (0.455 of its floor) fails; a collective cell is not scaled."""
+    measured, floors = _kernels([0.65] * 7 + [0.65 * 0.7])
+    measured["allgather x vs torch"], floors["allgather x vs torch"] = 0.7, 1.0
+    verdict = gate.compare(measured, floors, tolerance=0.75)
+    assert abs(verdict["kernel_drift"]["value"] - 0.65) < 1e-9
+    assert verdict["kernel_drift"]["status"] == "ok"
+    status = {c: v["status"] for c, v in verdict["cells"].items()}
+    assert [status[f"kernel k{i} fp32 16 MB"] for i in range(8)] == ["ok"] * 7 + ["slow"]
+    assert status["allgather x vs torch"] == "slow"  # 0.7 < 0.75 x 1.0: no drift for calls
+    assert gate.failing(verdict) == ["kernel k7 fp32 16 MB", "allgather x vs torch"]
+
+
+def test_a_faster_host_does_not_raise_the_floors():
+    measured, floors = _kernels([1.5] * 6 + [0.76, 0.74])
+    verdict = gate.compare(measured, floors, tolerance=0.75)
+    assert verdict["kernel_drift"]["value"] == 1.0
+    assert [v["status"] for v in verdict["cells"].values()] == ["ok"] * 7 + ["slow"]
+
+
+def test_half_the_kernels_slower_cannot_hide_behind_the_drift():
+    """The drift is the upper quartile: five of eight kernels at 0.6 of their floors leave
+    it at 1, so each of them fails (with the median, 0.6, they would all pass)."""
+    measured, floors = _kernels([1.0] * 3 + [0.6] * 5)
+    verdict = gate.compare(measured, floors, tolerance=0.75)
+    assert verdict["kernel_drift"]["value"] == 1.0
+    assert [v["status"] for v in verdict["cells"].values()] == ["ok"] * 3 + ["slow"] * 5
+
+
+def test_every_kernel_slower_fails_on_the_drift_itself():
+    measured, floors = _kernels([0.55] * 8)
+    verdict = gate.compare(measured, floors, tolerance=0.75)
+    assert all(v["status"] == "ok" for v in verdict["cells"].values())  # each like its peers
+    assert verdict["kernel_drift"]["status"] == "slow" and gate.DRIFT_MIN == 0.6
+    assert gate.failing(verdict) == [gate.DRIFT_CELL]
+
+
 def test_another_cpu_vendor_is_held_to_its_own_kernel_floors(monkeypatch):
     spec = {"cpu_vendor": "GenuineIntel",
             "floors": {"kernel k fp32 16 MB": 1.0, "allgather x vs torch": 0.8},
