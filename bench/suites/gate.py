@@ -13,11 +13,12 @@ ratio below TOLERANCE x floor is measured once more, and the gate fails when it 
 below. Kernel cells are judged against their floors times the machine's drift: the upper
 quartile of every kernel's ratio / floor, capped at 1. A host that runs every kernel slower
 against copy than the day the floors were set (another host of the same family, a noisy
-neighbour: on the AMD VM 2026-12-05 every kernel fell to 0.6-0.9 of its floor within half an
-hour, unchanged code) lowers them together, so a kernel fails when it is slower than its
-peers; a drift below DRIFT_MIN fails the gate by itself (most kernels slower at once). A
-quartile rather than the median, so that a regression of half the kernels cannot hide
-itself by pulling the drift down. Floors are written by the same command with --update, from quiet runs (each floor
+neighbour: on the AMD VM 2026-12-05 unchanged kernels fell to 0.6-0.8 of their floors
+within half an hour of passing) lowers them together, so a kernel fails when it is slower
+than its peers; a drift below DRIFT_MIN fails the gate by itself (most kernels slower at
+once). A quartile rather than the median, so that a regression of half the kernels cannot
+hide itself by pulling the drift down. The price: a loss shared by more than three quarters
+of the kernels is caught only below DRIFT_MIN (30%), where each kernel alone fails at 25%. Floors are written by the same command with --update, from quiet runs (each floor
 the lowest of UPDATE_RUNS runs, so unchanged code passes: small calls are bimodal); a change
 that makes a cell slower on purpose updates its floor in the same commit and says why.
 A floor whose cell is no longer measured fails the gate too (a renamed or dropped kernel
@@ -47,7 +48,9 @@ TOLERANCE = 0.75  # fail below this fraction of a floor (after the retries)
 # quantize int8 SR bf16 at 68%, unchanged kernels that passed an hour before; 2 of 4 runs
 # failed that hour on one cell or two); a lasting loss stays below on every try.
 RETRIES = 2
-DRIFT_MIN = 0.6  # kernels' drift below this fails: not a slow host but slower kernels
+# Kernels' drift below this fails: not a slow host but slower kernels (a slow phase of the
+# AMD VM measured 0.83 at the lowest of three runs, bench/results/gate-kernel-drift-cpu.txt).
+DRIFT_MIN = 0.7
 KERNEL_BYTES = 16 << 20  # past every core's L2; small enough to keep the gate under a minute
 COLLECTIVE_BYTES = [64 << 10, 4 << 20]
 COLLECTIVE_IMPLS = {"torch-via-qcoll": "bits=None", "qcoll": "quantized"}
@@ -279,6 +282,8 @@ def table(result: dict) -> list:
                      f"each kernel judged against {result['tolerance']:.0%} x floor x drift): "
                      + ("ok" if drift["status"] == "ok" else f"SLOW (below {drift['min']})"))
     verdict = "FAILED" if result["failed"] else "passed"
+    if drift and drift["status"] != "ok":
+        verdict += f" on the kernels' drift ({drift['value']:.2f} < {drift['min']})"
     passed = sum(v["status"] == "ok" for v in result["cells"].values())
     lines.append(f"gate {verdict}: {passed} of {len(result['cells'])} "
                  f"cells at >= {result['tolerance']:.0%} of their floors"

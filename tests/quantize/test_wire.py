@@ -285,7 +285,8 @@ def test_reduce_non_finite_stays_non_finite(in_bits, out_name):
 
 # Powers of two divide as a multiply by their exact inverse (quant_math.h: Divisor); the
 # others, and the largest powers, must still give the IEEE quotient bit for bit.
-@pytest.mark.parametrize("divisor", [2.0, 4.0, 0.5, 2.0**64, 2.0**126, 2.0**127, 3.0, 6.0, 1.5])
+@pytest.mark.parametrize("divisor", [2.0, 4.0, 0.5, 2.0**-126, 2.0**64, 2.0**126, 2.0**127,
+                                     3.0, 5.0, 6.0, 7.0, 1.5, 1.0 + 2.0**-23])
 def test_reduce_divides_exactly(divisor):
     """Quotients that are subnormal, overflow, or round: the same bits as torch's division
     of the fp32 sum (a tensor divide: IEEE per element) for a divisor given as fp32."""
@@ -304,6 +305,8 @@ def test_reduce_divides_exactly(divisor):
     total = x0 + x1
     exp = total / torch.full_like(total, divisor)
     ref.assert_same_bits(got, exp, f"/{divisor}")
+    if divisor < 2.0**-100:  # quotients past the largest float
+        assert (exp[n // 3 : 2 * n // 3].isinf()).all()
     if 1.0 <= divisor <= 8.0:  # the case the inverse must get right: rounded subnormal quotients
         sub = exp[: n // 3]
         assert ((sub != 0) & (sub.abs() < torch.finfo(torch.float32).tiny)).sum() > n // 6
