@@ -26,7 +26,7 @@ from .error_feedback import (
     keep_shard_residual,
 )
 from .group import resolve_group
-from .policy import ALL_REDUCE, AllReducePolicy, cached, host_all_reduce_tail_apart, unquantized_host_all_reduce
+from .policy import ALL_REDUCE, AllReducePolicy, cached, host_all_reduce_tail_apart
 
 _WHAT = "quantized_all_reduce"
 # A bits=None bf16/fp16 all-reduce through the transport's all-reduce of fp32 copies goes
@@ -57,7 +57,7 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     reduce-scatter of the raw inputs then the all-gather (hierarchical is ignored), except
     fp32 tensors over 1 MB, which take the transport's own all-reduce (gloo's, torch's same
     call); on 2-3 ranks the transport's all-reduce (of fp32 copies for bf16/fp16), except
-    bf16/fp16 from 1 MB, which take the flat exchange (policy.unquantized_host_all_reduce);
+    bf16/fp16 from 1 MB, which take the flat exchange (AllReducePolicy.route);
     on GPU the two halves (a flat bf16/fp16 reduce-scatter
     exchanging the raw inputs, a 2-hop one carrying fp32 partial sums across nodes). Every
     way the sum is fp32 and rounded once to the tensor's dtype, so a bf16/fp16 result is
@@ -88,14 +88,11 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
         call.debug_check(g, (_WHAT, tensor.numel(), str(tensor.dtype), op, rs.intra_code, rs.inter_code,
                              group_size, stages, hierarchical, error_feedback is not None), tensor.device)
 
-    raw_exchange = policy.raw_exchange(tensor.element_size())
     numel = tensor.numel()
     host = not on_gpu(tensor.device)
-    if rs.unquantized and host and call.has_transport_all_reduce(g, tensor.device):
-        # (error feedback has nothing to keep)
-        if unquantized_host_all_reduce(tensor.element_size(), numel, size) == "transport":
-            return _transport_all_reduce(g, tensor, code, op_code, async_op)
-        hierarchical, raw_exchange = False, True  # the raw inputs straight to their owner (fp32 too)
+    route = policy.route(tensor.element_size(), numel, size, host and call.has_transport_all_reduce(g, tensor.device))
+    if route.path == "transport":  # (error feedback has nothing to keep)
+        return _transport_all_reduce(g, tensor, code, op_code, async_op)
     # A size that does not split into whole shards: the prefix that does, reduced in place,
     # and the last numel % size elements apart (policy.host_all_reduce_tail_apart), or the
     # tensor copied into a padded buffer and back.
@@ -104,7 +101,7 @@ def quantized_all_reduce(tensor: torch.Tensor, group=None, *, op: str = "avg", b
     n = -(-(numel - tail) // size)  # shard elements; the tensor less its tail is padded to size * n
     device = tensor.device
     reduce_scatter = ReduceScatter(g, n, code, op_code, rs.intra_code, rs.inter_code, group_size, stages,
-                                   hierarchical, device, raw_exchange=raw_exchange, call_numel=numel)
+                                   route.hierarchical, device, raw_exchange=route.raw_exchange, call_numel=numel)
     rs_plan = reduce_scatter.plan
     # The shards cross nodes (if the group spans several) in the format the plan crosses them with.
     gather_format = rs_plan.second_format

@@ -54,8 +54,7 @@ import torch.distributed as dist
 from . import _C
 from ._runtime import call
 from ._formats import FORMATS, RAW_CODE, format_code, format_of
-from .policy import (AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy, host_all_reduce_tail_apart,
-                     unquantized_host_all_reduce)
+from .policy import AllGatherPolicy, AllReducePolicy, ReduceScatterPolicy, host_all_reduce_tail_apart
 from ._torch_transport import check_gather_paths, gather_band, measures_gather_path
 
 RAW = "raw"  # the kernel-rate key of unquantized hops (copy to send, fp32 add to reduce)
@@ -398,10 +397,16 @@ class CostModel:
         kind, the bits=None all-reduce of host tensors by the path it takes
         (see KINDS)."""
         kind = self.kind(collective, policy)
-        if (collective == "all_reduce" and policy.unquantized and self.device == "cpu"
-                and unquantized_host_all_reduce(dtype.itemsize, numel, self.world) == "exchange"):
+        if (collective == "all_reduce" and policy.unquantized
+                and policy.route(dtype.itemsize, numel, self.world, self._host_transport).path == "exchange"):
             kind = "uncompressed exchange"
         return f"{collective}/{kind}"
+
+    @property
+    def _host_transport(self) -> bool:
+        """Whether the group's calls run over a transport with its own all-reduce on host
+        tensors (gloo: call.has_transport_all_reduce), the route's host_transport."""
+        return self.device == "cpu" and self.world > 1
 
     def kind(self, collective: str, policy) -> str:
         """The call's kind, which its calibration is by: "uncompressed", "quantized" (an
@@ -526,15 +531,14 @@ class CostModel:
 
     def _all_reduce_halves(self, numel: int, dtype, p: AllReducePolicy) -> "_AllReduceHalves":
         """An all-reduce's parts as all_reduce.py runs it."""
-        rs = p.reduce_scatter()
-        raw_exchange = p.raw_exchange(dtype.itemsize)  # as all_reduce.py plans it
+        route = p.route(dtype.itemsize, numel, self.world, self._host_transport)  # as all_reduce.py runs it
+        rs, raw_exchange = p.reduce_scatter(), route.raw_exchange
+        if route.hierarchical != rs.hierarchical:
+            rs = dataclasses.replace(rs, hierarchical=route.hierarchical)
         uneven = []  # what a numel that is not a multiple of world adds (as all_reduce.py does it)
-        transport = False  # gloo's own all-reduce (its gather half a ring)
-        if p.unquantized and self.device == "cpu":
-            if unquantized_host_all_reduce(dtype.itemsize, numel, self.world) == "transport":
-                dtype, raw_exchange, transport = torch.float32, False, True  # its all-reduce of fp32 values
-            else:  # the raw inputs straight to their owner, fp32 too
-                rs, raw_exchange = dataclasses.replace(rs, hierarchical=False), True
+        transport = route.path == "transport"  # gloo's own all-reduce (its gather half a ring)
+        if transport:
+            dtype = torch.float32  # its all-reduce of fp32 values
         if numel % self.world and not transport:
             if self.device == "cpu" and host_all_reduce_tail_apart(numel * dtype.itemsize):
                 # the last elements by an all-gather of fp32 copies, summed where they land

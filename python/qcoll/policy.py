@@ -33,7 +33,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 from ._formats import RAW_CODE, format_code, format_name
 from .quantization import check_group_size, check_hadamard
@@ -191,15 +191,38 @@ class AllReducePolicy(_Policy):
         """Whether the reduce-scatter half, when flat, exchanges the raw inputs and sums them
         in fp32 (the plan's raw_exchange) rather than being the transport's own: unquantized
         bf16/fp16, so that the all-reduce rounds once. (A host call on the "exchange" path of
-        unquantized_host_all_reduce exchanges the raw inputs whatever its dtype: all_reduce.py
-        and the cost model set it there.)"""
+        unquantized_host_all_reduce exchanges the raw inputs whatever its dtype: see route.)"""
         return self.unquantized and itemsize != 4
+
+    def route(self, itemsize: int, numel: int, ranks: int, host_transport: bool) -> "AllReduceRoute":
+        """The way a call of `numel` elements of `itemsize` bytes over `ranks` ranks runs,
+        for all_reduce.py and the cost model alike. host_transport: the call's values are
+        host tensors and the group's transport has its own all-reduce (gloo). Then a
+        bits=None call takes a path of unquantized_host_all_reduce; every other call runs
+        the two halves as configured."""
+        if self.unquantized and host_transport:
+            if unquantized_host_all_reduce(itemsize, numel, ranks) == "transport":
+                return AllReduceRoute("transport", self.hierarchical, False)
+            return AllReduceRoute("exchange", False, True)  # the raw inputs straight to their owner, fp32 too
+        return AllReduceRoute("halves", self.hierarchical, self.raw_exchange(itemsize))
 
     def reduce_scatter(self) -> ReduceScatterPolicy:
         """The policy of the reduce-scatter half (the all-gather half crosses nodes in the
         format its plan crosses them with)."""
         return cached(ReduceScatterPolicy, self.bits, self.cross_bits, self.group_size,
                       self.pipeline_stages, self.hierarchical)
+
+
+class AllReduceRoute(NamedTuple):
+    """AllReducePolicy.route's answer. path: "transport" (the transport's own all-reduce,
+    of fp32 copies for bf16/fp16), "exchange" (the flat reduce-scatter of the raw inputs,
+    then the all-gather) or "halves" (the reduce-scatter and all-gather halves as
+    configured); hierarchical and raw_exchange: what the reduce-scatter half is planned
+    with on the last two."""
+
+    path: str
+    hierarchical: Optional[bool]
+    raw_exchange: bool
 
 
 # A bits=None all-reduce of host tensors over a transport with its own all-reduce (gloo)

@@ -336,3 +336,34 @@ def _entry_points_worker(rank, world):
 
 def test_entry_points_give_bit_identical_results():
     assert run_ranks(4, _entry_points_worker, timeout=300) == [True] * 4
+
+
+@pytest.mark.parametrize("bits,itemsize,numel,ranks,host_transport,route", [
+    # quantized: the two halves as configured, whatever the device
+    (8, 4, 256, 4, True, ("halves", True, False)),
+    (8, 2, 256, 4, False, ("halves", True, False)),
+    # bits=None on GPU (no host transport): the halves; bf16/fp16 exchange the raw inputs
+    (None, 2, 256, 4, False, ("halves", True, True)),
+    (None, 4, 256, 4, False, ("halves", True, False)),
+    # bits=None on host: unquantized_host_all_reduce's path; the exchange flat, raw inputs
+    (None, 4, 256, 4, True, ("exchange", False, True)),
+    (None, 2, 256, 4, True, ("exchange", False, True)),
+    (None, 4, 256, 2, True, ("transport", True, False)),
+    (None, 4, (1 << 20) // 4 + 1, 4, True, ("transport", True, False)),
+])
+def test_all_reduce_route_of_a_call(bits, itemsize, numel, ranks, host_transport, route):
+    # all_reduce.py and the cost model both take their path from route: what it answers is
+    # the call's path, hop layout and reduce-scatter input.
+    policy = AllReducePolicy(bits=bits)
+    assert tuple(policy.route(itemsize, numel, ranks, host_transport)) == route
+    assert tuple(AllReducePolicy(bits=bits, hierarchical=False).route(itemsize, numel, ranks, host_transport))[1] is False
+
+
+def test_all_reduce_route_follows_a_forced_host_path():
+    policy = AllReducePolicy(bits=None)
+    with qcoll.policy.host_all_reduce_path("exchange"):  # fp32 over 1 MB on 4 ranks: transport by the rule
+        assert policy.route(4, 64 << 20, 4, True).path == "exchange"
+        assert policy.route(4, 64 << 20, 4, False).path == "halves"  # no host transport: nothing to force
+    with qcoll.policy.host_all_reduce_path("transport"):
+        assert policy.route(2, 256, 4, True).path == "transport"
+        assert AllReducePolicy(bits=8).route(2, 256, 4, True).path == "halves"  # quantized: never forced
