@@ -273,7 +273,8 @@ def host_all_reduce_path(path: Optional[str]):
     number of ranks, and the cost model prices that path (None: by the rule above). For the cost
     probe, which times both paths at every size it calibrates so that a prediction near
     the switch runs through points of its own path, and for tests: policy="auto" keeps
-    its decisions by call description, not by this path."""
+    its decisions by call description, not by this path. A call with no such paths (a
+    quantized one, a GPU tensor's, a one-rank group's: no host transport) is not forced."""
     if path is not None and path not in HOST_ALL_REDUCE_PATHS:
         raise ValueError(f"path must be one of {HOST_ALL_REDUCE_PATHS} or None, got {path!r}")
     token = _forced_host_path.set(path)

@@ -350,6 +350,10 @@ def test_entry_points_give_bit_identical_results():
     (None, 2, 256, 4, True, ("exchange", False, True)),
     (None, 4, 256, 2, True, ("transport", True, False)),
     (None, 4, (1 << 20) // 4 + 1, 4, True, ("transport", True, False)),
+    # 2-3 ranks: bf16/fp16 by the exchange from 1 MB, below it and fp32 by the transport
+    (None, 2, (1 << 20) // 2, 3, True, ("exchange", False, True)),
+    (None, 2, (1 << 20) // 2 - 1, 3, True, ("transport", True, False)),
+    (None, 4, 64 << 20, 3, True, ("transport", True, False)),
 ])
 def test_all_reduce_route_of_a_call(bits, itemsize, numel, ranks, host_transport, route):
     # all_reduce.py and the cost model both take their path from route: what it answers is
