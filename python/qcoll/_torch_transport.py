@@ -28,8 +28,9 @@ _KEEP_BUFFER_BYTES = 64 << 20
 # chunk across nodes from each rank (3 x 2: 8 chunks leave a node, against the ring's 5). Up
 # to this size it gathers that way: there the ring's size - 1 waiting steps cost more than the
 # extra bytes even on a 1 Gbit/s link. Past it neither path is faster everywhere (on
-# loopback the all-to-all took 152-159 against the ring's 260-264 ms for 64 MB of bf16 on
-# 3 x 2; on a slow link the extra bytes cost more), so the transport measures (GatherPaths).
+# loopback the all-to-all took 152-159 against gloo's ring's 260-264 ms for 64 MB of bf16 on
+# 3 x 2, and the ring posted as steps 0.36x gloo's; on a slow link the extra bytes cost
+# more), so the transport measures (GatherPaths).
 ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES = 256 << 10
 # Past this many gathered bytes the all-to-all pattern is posted as send/recv pairs of the
 # rank's bytes to every peer (gather_pg.send/recv) rather than one all-to-all of a buffer
@@ -38,7 +39,8 @@ ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES = 256 << 10
 # 31 / 38 ms, 4 MB 5.6 / 6.6 ms, 2 MB even, 1 MB 4.5 / 3.7 ms: the 2 (size - 1) posted
 # operations cost more than the copy there (bench/results/probe-gloo-gather-pairs-cpu.txt).
 # A band edge (gather_band): the band (1 MB, 4 MB] that holds the crossover takes the pairs
-# whole, so that a band's trial (GatherPaths) times the path its later gathers take.
+# whole, so that a band's trial (GatherPaths) times the path its later gathers take. Past it
+# the ring too is posted as send/recv steps (ProcessGroupTransport._gather_by_ring).
 PAIRS_GATHER_ABOVE_BYTES = 1 << 20
 # The tag of the call check's send/recv pairs on gather_pg (the pairs' gathers use tag 0):
 # gloo matches pairs by tag, apart from each other and from its collectives. (On the
@@ -160,7 +162,8 @@ class ProcessGroupTransport:
     (bench/results/probe-gloo-all-gather-a2a-cpu.txt); over nodes of several ranks, up to
     ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES, and past it by whichever path measured faster at the
     size band's first gather (GatherPaths); past PAIRS_GATHER_ABOVE_BYTES the all-to-all
-    pattern is posted as send/recv pairs (no buffer of the bytes once per rank). On the
+    pattern is posted as send/recv pairs (no buffer of the bytes once per rank), and the
+    ring as send/recv steps into the output (no fresh buffer per call). On the
     ProcessGroup of the other exchanges it slowed the gloo all-reduces after it (1.03x ->
     1.38-1.42x torch's at 4 MB on 2 x 2, like the send/recv pairs of abcf3d3; cause not
     found); on a group of its own it does not, pairs included."""
@@ -265,8 +268,10 @@ class ProcessGroupTransport:
                 f"across ranks first)") from exc
 
     def _gather(self, recv, send, by_all_to_all: bool):
-        if by_all_to_all and recv.numel() * recv.element_size() > PAIRS_GATHER_ABOVE_BYTES:
-            self._gather_by_pairs(recv, send)
+        by_pairs = (self.gather_pg is not None and send.device.type == "cpu"
+                    and recv.numel() * recv.element_size() > PAIRS_GATHER_ABOVE_BYTES)
+        if by_pairs:
+            (self._gather_by_pairs if by_all_to_all else self._gather_by_ring)(recv, send)
         elif by_all_to_all and self._direct:
             self.gather_pg.all_to_all_single(recv, self._replicated(send), [], [],
                                              self._options(c10d.AllToAllOptions)).wait()
@@ -290,6 +295,24 @@ class ProcessGroupTransport:
             slots[rank].copy_(send)
         for work in works:
             work.wait()
+
+    def _gather_by_ring(self, recv, send):
+        """gloo's ring as send/recv steps straight into the output's slots: at step s each
+        rank forwards slot rank - s to the next rank and receives slot rank - s - 1 from the
+        one before (the ring's order and cross-node bytes). gloo's own all-gather gathers
+        into a fresh flat buffer and copies it out, and its input flattened, per call:
+        past glibc's 32 MB mmap ceiling a page fault per 4 KB every call, and on loopback
+        2-3x these steps' time (bench/results/probe-gloo-ring-by-pairs-cpu.txt)."""
+        pg, size, rank = self.gather_pg, self.size, self.rank
+        slots = recv.view(size, -1)
+        if slots[rank].data_ptr() != send.data_ptr():
+            slots[rank].copy_(send)
+        after, before = (rank + 1) % size, (rank - 1) % size
+        for step in range(size - 1):
+            works = [pg.recv([slots[(rank - step - 1) % size]], before, 0),
+                     pg.send([slots[(rank - step) % size]], after, 0)]
+            for work in works:
+                work.wait()
 
     def adopt_gather_paths(self, paths: dict) -> None:
         """Gather the size bands `paths` names (CostModel.gather_paths) by its paths, without

@@ -3,7 +3,8 @@ a ProcessGroup of its own (ProcessGroupTransport.gather_pg), except past a size 
 nodes of several ranks, where each size band takes whichever of it and gloo's ring measured
 faster at its first gather (GatherPaths), the same on every rank. Past
 PAIRS_GATHER_ABOVE_BYTES the all-to-all pattern is posted as send/recv pairs of the rank's
-own bytes (unless those overlap the output elsewhere than in their own slot). Every rank's bytes land at its offset for every dtype the core sends, on every path;
+own bytes (unless those overlap the output elsewhere than in their own slot), and the ring
+as send/recv steps into the output's slots. Every rank's bytes land at its offset for every dtype the core sends, on every path;
 the send buffer is kept only up to its size limit; a peer that dies or stalls mid-gather is
 an error within the group's timeout."""
 
@@ -26,10 +27,11 @@ SLACK = 6.0  # spawn jitter on a shared 2-core machine
 
 def _recording(seen: list):
     """Patches the two ways the all-to-all pattern posts (ProcessGroupTransport._replicated,
-    _gather_by_pairs) to record (transport, bytes sent to each rank, "all_to_all" or
-    "pairs"); returns the function that restores them."""
+    _gather_by_pairs) and the ring's send/recv steps (_gather_by_ring) to record (transport,
+    bytes sent to each rank, "all_to_all", "pairs" or "ring"); returns the function that
+    restores them."""
     cls = tt.ProcessGroupTransport
-    replicated, pairs = cls._replicated, cls._gather_by_pairs
+    replicated, pairs, ring = cls._replicated, cls._gather_by_pairs, cls._gather_by_ring
 
     def recorded_replicated(self, send):
         seen.append((self, send.numel() * send.element_size(), "all_to_all"))
@@ -38,10 +40,14 @@ def _recording(seen: list):
     def recorded_pairs(self, recv, send):
         seen.append((self, send.numel() * send.element_size(), "pairs"))
         return pairs(self, recv, send)
-    cls._replicated, cls._gather_by_pairs = recorded_replicated, recorded_pairs
+
+    def recorded_ring(self, recv, send):
+        seen.append((self, send.numel() * send.element_size(), "ring"))
+        return ring(self, recv, send)
+    cls._replicated, cls._gather_by_pairs, cls._gather_by_ring = recorded_replicated, recorded_pairs, recorded_ring
 
     def restore():
-        cls._replicated, cls._gather_by_pairs = replicated, pairs
+        cls._replicated, cls._gather_by_pairs, cls._gather_by_ring = replicated, pairs, ring
     return restore
 
 
@@ -131,7 +137,7 @@ def _measured(rank, world, script):
             before, trials_before = len(seen), len(trials)
             qcoll.quantized_allgather(full, base[rank * numel:(rank + 1) * numel].clone(), g, bits=None)
             # Through the all-to-all pattern (its copy, or past the pairs' limit its pairs).
-            through = any(b >= numel * 4 for _, b, _ in seen[before:])
+            through = any(b >= numel * 4 and how != "ring" for _, b, how in seen[before:])
             out.append((numel, torch.equal(full, base), through, list(trials[trials_before:])))
         chosen = g.gather_paths
     finally:
@@ -202,17 +208,17 @@ def _pairs(rank, world, node_size, in_place):
 def test_past_the_pairs_limit_every_rank_lands_at_its_offset(world, node_size, in_place):
     """One node: the all-to-all pattern, as pairs past their limit, whatever the shard's
     overlap with the output. 2 x 2 (every gather in one size band): the band's first
-    gather (its trials) runs the pairs, the others whichever path measured faster (the
-    ring's not recorded)."""
+    gather (its trials) runs the pairs and the ring's send/recv steps, the others whichever
+    path measured faster."""
     for out in run_ranks(world, _pairs, node_size, in_place, timeout=120):
         for what, landed, hows in out:
             assert landed, (what, out)
             if node_size == world:
                 assert all(how == {"pairs"} for how in hows), (what, out)
             else:
-                assert all(how <= {"pairs"} for how in hows), (what, out)
+                assert all(how and how <= {"pairs", "ring"} for how in hows), (what, out)
         if node_size < world:
-            assert out[0][2][0] == {"pairs"}, out
+            assert out[0][2][0] == {"pairs", "ring"}, out
 
 
 @pytest.mark.parametrize("world", [4, 6])  # 2 and 3 nodes of 2 ranks
@@ -231,6 +237,59 @@ def test_past_the_limit_over_nodes_the_faster_path_measured_is_taken_on_every_ra
         assert via2 and via3  # the chosen all-to-all (the first gather's trials went both ways)
         agreed = {"path": "all_to_all", "measured_s": {"ring": 0.010, "all_to_all": 0.005}}
         assert chosen == {tt.band_bounds(band(4 * world * n)): agreed for n in (n1, n3)}, chosen
+
+
+def _ring(rank, world):
+    """Gathers past PAIRS_GATHER_ABOVE_BYTES over nodes of 2 with the ring adopted for their
+    size bands (no trials): whether each landed and how it was posted, for an out-of-place
+    shard, one in its own slot, one that is another rank's slot, odd sizes in fp32 and bf16,
+    and an 8-bit gather's codes."""
+    g = qcoll.new_group(node_size=2)
+    seen = []
+    restore = _recording(seen)
+    out = []
+    try:
+        numels = [tt.PAIRS_GATHER_ABOVE_BYTES // 4 // world + 3, 4 * tt.PAIRS_GATHER_ABOVE_BYTES // 4 // world + 7]
+        g.adopt_gather_paths({tt.gather_band(b): "ring" for numel in numels
+                              for b in (world * numel * 4, world * numel * 2, world * numel)})
+        for numel in numels:
+            for dtype in (torch.float32, torch.bfloat16):
+                for shard_is in ("apart", "own slot", "next rank's slot"):
+                    base = torch.arange(world * numel, dtype=torch.float64).remainder(251).to(dtype)
+                    full = torch.full((world * numel,), float("nan"), dtype=dtype)
+                    slot = lambda r: slice(r * numel, (r + 1) * numel)  # noqa: E731
+                    expected = base
+                    if shard_is == "apart":
+                        shard = base[slot(rank)].clone()
+                    elif shard_is == "own slot":
+                        full[slot(rank)] = base[slot(rank)]
+                        shard = full[slot(rank)]
+                    else:  # every rank sends the next rank's slot of its output: rotated
+                        full.copy_(base)
+                        shard = full[slot((rank + 1) % world)]
+                        expected = base.view(world, numel).roll(-1, 0).reshape(-1)
+                    before = len(seen)
+                    qcoll.quantized_allgather(full, shard, g, bits=None)
+                    hows = {how for _, b, how in seen[before:] if b >= numel * dtype.itemsize}
+                    out.append((world * numel * dtype.itemsize, str(dtype), shard_is, torch.equal(full, expected), hows))
+            close, hows = _quantized_gather(rank, world, numel, g, seen)
+            out.append((seen[-1][1] * world if hows else None, "int8", "apart", close, hows))
+    finally:
+        restore()
+    g.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [4, 6])  # 2 and 3 nodes of 2 ranks
+def test_the_ring_past_the_pairs_limit_lands_every_rank_at_its_offset(world):
+    """The ring, taken for a band (measured faster there, or from the cost model), posted
+    as send/recv steps into the output's slots: every rank's bytes at its offset, whatever
+    the shard's overlap with the output; up to the limit gloo's own ring (not recorded)."""
+    for out in run_ranks(world, _ring, timeout=120):
+        for gathered, dtype, shard_is, landed, hows in out:
+            past = gathered is not None and gathered > tt.PAIRS_GATHER_ABOVE_BYTES
+            assert landed and hows == ({"ring"} if past else set()), (gathered, dtype, shard_is, landed, hows)
+        assert sum(1 for row in out if row[4]) >= 7, out  # fp32 twice, bf16 once, int8 once past it
 
 
 def test_each_path_counts_its_faster_trial_and_a_tie_keeps_the_ring():
