@@ -29,7 +29,7 @@ _KEEP_BUFFER_BYTES = 64 << 20
 # to this size it gathers that way: there the ring's size - 1 waiting steps cost more than the
 # extra bytes even on a 1 Gbit/s link. Past it neither path is faster everywhere (on
 # loopback the all-to-all took 152-159 against gloo's ring's 260-264 ms for 64 MB of bf16 on
-# 3 x 2, and the ring posted as steps 0.36x gloo's; on a slow link the extra bytes cost
+# 3 x 2, and the ring posted as steps 0.36x gloo's at 64 MB on 6 local ranks; on a slow link the extra bytes cost
 # more), so the transport measures (GatherPaths).
 ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES = 256 << 10
 # Past this many gathered bytes the all-to-all pattern is posted as send/recv pairs of the
@@ -42,7 +42,7 @@ ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES = 256 << 10
 # whole, so that a band's trial (GatherPaths) times the path its later gathers take. Past it
 # the ring too is posted as send/recv steps (ProcessGroupTransport._gather_by_ring).
 PAIRS_GATHER_ABOVE_BYTES = 1 << 20
-# The tag of the call check's send/recv pairs on gather_pg (the pairs' gathers use tag 0):
+# The tag of the call check's send/recv pairs on gather_pg (the pairs' and the ring's steps use tag 0):
 # gloo matches pairs by tag, apart from each other and from its collectives. (On the
 # ProcessGroup of the other exchanges, send/recv pairs slowed the gloo all-reduces after
 # them: see ProcessGroupTransport.)
@@ -84,7 +84,7 @@ def band_bounds(band: int) -> tuple:
 
 class GatherPaths:
     """Which path a spanning group's transport gathers each size band by (True: the
-    all-to-all, False: gloo's ring), chosen at the band's first gather: each path timed
+    all-to-all, False: the ring), chosen at the band's first gather: each path timed
     twice (ring, all-to-all, all-to-all, ring), each path's faster time kept, the slowest
     rank's taken by an all-reduce (MAX); the all-to-all only where strictly faster. With one
     trial per path, one disturbed all-to-all chose the ring for a band whose neighbours
@@ -302,7 +302,7 @@ class ProcessGroupTransport:
         one before (the ring's order and cross-node bytes). gloo's own all-gather gathers
         into a fresh flat buffer and copies it out, and its input flattened, per call:
         past glibc's 32 MB mmap ceiling a page fault per 4 KB every call, and on loopback
-        2-3x these steps' time (bench/results/probe-gloo-ring-by-pairs-cpu.txt)."""
+        1.5-3x these steps' time from 16 MB (bench/results/probe-gloo-ring-by-pairs-cpu.txt)."""
         pg, size, rank = self.gather_pg, self.size, self.rank
         slots = recv.view(size, -1)
         if slots[rank].data_ptr() != send.data_ptr():
@@ -330,7 +330,7 @@ class ProcessGroupTransport:
             return
         by_all_to_all, ring, all_to_all = self.gather_paths.chosen[band]
         low, high = band_bounds(band)
-        path = "the all-to-all" if by_all_to_all else "gloo's ring"
+        path = "the all-to-all" if by_all_to_all else "the ring"
         why = ("the group's cost model" if ring is None
                else f"measured: ring {ring * 1e3:.2f} ms, all-to-all {all_to_all * 1e3:.2f} ms")
         _log.emit(f"qcoll transport: all-gathers of ({low >> 10}, {high >> 10}] KB over {self.label} by "

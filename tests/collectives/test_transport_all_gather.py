@@ -1,6 +1,6 @@
 """The gloo transport's all-gather: an all-to-all of the rank's bytes sent to every rank, on
 a ProcessGroup of its own (ProcessGroupTransport.gather_pg), except past a size limit over
-nodes of several ranks, where each size band takes whichever of it and gloo's ring measured
+nodes of several ranks, where each size band takes whichever of it and the ring measured
 faster at its first gather (GatherPaths), the same on every rank. Past
 PAIRS_GATHER_ABOVE_BYTES the all-to-all pattern is posted as send/recv pairs of the rank's
 own bytes (unless those overlap the output elsewhere than in their own slot), and the ring
@@ -273,7 +273,7 @@ def _ring(rank, world):
                     hows = {how for _, b, how in seen[before:] if b >= numel * dtype.itemsize}
                     out.append((world * numel * dtype.itemsize, str(dtype), shard_is, torch.equal(full, expected), hows))
             close, hows = _quantized_gather(rank, world, numel, g, seen)
-            out.append((seen[-1][1] * world if hows else None, "int8", "apart", close, hows))
+            out.append((world * numel, "int8", "apart", close, hows))  # its codes' bytes (and scales')
     finally:
         restore()
     g.close()
@@ -337,7 +337,7 @@ def test_each_choice_is_logged_once_on_rank_zero():
     results = run_ranks(4, _logged, timeout=120)
     (text, paths), others = results[0], results[1:]
     ((low, high), chosen), = paths.items()
-    path = "the all-to-all" if chosen["path"] == "all_to_all" else "gloo's ring"
+    path = "the all-to-all" if chosen["path"] == "all_to_all" else "the ring"
     lines = [line for line in text.splitlines() if line.startswith("qcoll transport:")]
     assert len(lines) == 1 and f"({low >> 10}, {high >> 10}] KB" in lines[0] and f"by {path}" in lines[0], text
     assert all("qcoll transport:" not in t for t, _ in others)
@@ -356,15 +356,18 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _dies_in_the_gather(rank, world, how, numel):
-    g = qcoll.new_group(node_size=world, timeout=timedelta(seconds=TIMEOUT))
+def _dies_in_the_gather(rank, world, how, numel, path):
+    ring = path == "ring"  # over nodes of 2, the ring adopted for the band: its send/recv steps
+    g = qcoll.new_group(node_size=2 if ring else world, timeout=timedelta(seconds=TIMEOUT))
+    if ring:
+        g.adopt_gather_paths({tt.gather_band(world * numel * 4): "ring"})
     shard = torch.ones(numel)
     full = torch.empty(world * numel)
     qcoll.quantized_allgather(full, shard, g, bits=None)  # warm: connections, worker
     threads = _threads()
     if rank == world - 1:
         # The all-to-all's send buffer, or the pairs, never reached.
-        posts = "_replicated" if world * numel * 4 <= tt.PAIRS_GATHER_ABOVE_BYTES else "_gather_by_pairs"
+        posts = {"all_to_all": "_replicated", "pairs": "_gather_by_pairs", "ring": "_gather_by_ring"}[path]
         if how == "dies":  # posts nothing, gone
             setattr(tt.ProcessGroupTransport, posts, lambda *a: os._exit(0))
         else:  # alive, but its sends never come
@@ -383,14 +386,18 @@ def _dies_in_the_gather(rank, world, how, numel):
     return elapsed, msg, _threads() - threads
 
 
-@pytest.mark.parametrize("numel", [4096, tt.PAIRS_GATHER_ABOVE_BYTES // 12 + 1], ids=["all_to_all", "pairs"])
+@pytest.mark.parametrize("path,world,numel", [("all_to_all", 3, 4096),
+                                              ("pairs", 3, tt.PAIRS_GATHER_ABOVE_BYTES // 12 + 1),
+                                              ("ring", 4, tt.PAIRS_GATHER_ABOVE_BYTES // 16 + 1)],
+                         ids=["all_to_all", "pairs", "ring"])
 @pytest.mark.parametrize("how", ["dies", "stalls"])
-def test_a_peer_lost_mid_gather_is_an_error_within_the_timeout(how, numel):
-    world = 3
-    results = run_ranks(world, _dies_in_the_gather, how, numel, timeout=60, dead=(world - 1,))
+def test_a_peer_lost_mid_gather_is_an_error_within_the_timeout(how, path, world, numel):
+    results = run_ranks(world, _dies_in_the_gather, how, numel, path, timeout=60, dead=(world - 1,))
     for rank, (elapsed, msg, leaked) in enumerate(results[: world - 1]):
         assert elapsed < TIMEOUT + SLACK, f"rank {rank} raised after {elapsed:.1f} s"
         assert "qcoll.quantized_allgather" in msg and "all-gather over" in msg, msg
-        # gloo's own error: the connection lost, or the timeout.
-        assert ("Timed out" if how == "stalls" else "peer") in msg, msg
+        # gloo's own error: the connection lost, or the timeout. On the ring a rank whose
+        # neighbour is alive but failed waits for it until the timeout.
+        expected = ("Timed out",) if how == "stalls" else ("peer", "Timed out") if path == "ring" else ("peer",)
+        assert any(e in msg for e in expected), msg
         assert leaked <= 0, f"rank {rank}: {leaked} thread(s) left running after the error"
