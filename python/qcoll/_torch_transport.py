@@ -29,8 +29,8 @@ _KEEP_BUFFER_BYTES = 64 << 20
 # to this size it gathers that way: there the ring's size - 1 waiting steps cost more than the
 # extra bytes even on a 1 Gbit/s link. Past it neither path is faster everywhere (on
 # loopback the all-to-all took 152-159 against gloo's ring's 260-264 ms for 64 MB of bf16 on
-# 3 x 2, and the ring posted as steps 0.36x gloo's at 64 MB on 6 local ranks; on a slow link the extra bytes cost
-# more), so the transport measures (GatherPaths).
+# 3 x 2, and the ring posted as steps 0.36x gloo's at 64 MB on 6 local ranks; on a slow
+# link the extra bytes cost more), so the transport measures (GatherPaths).
 ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES = 256 << 10
 # Past this many gathered bytes the all-to-all pattern is posted as send/recv pairs of the
 # rank's bytes to every peer (gather_pg.send/recv) rather than one all-to-all of a buffer
@@ -42,7 +42,8 @@ ALL_TO_ALL_GATHER_SPANNING_MAX_BYTES = 256 << 10
 # whole, so that a band's trial (GatherPaths) times the path its later gathers take. Past it
 # the ring too is posted as send/recv steps (ProcessGroupTransport._gather_by_ring).
 PAIRS_GATHER_ABOVE_BYTES = 1 << 20
-# The tag of the call check's send/recv pairs on gather_pg (the pairs' and the ring's steps use tag 0):
+# The tag of the call check's send/recv pairs on gather_pg (the pairs and the ring's steps
+# use tag 0):
 # gloo matches pairs by tag, apart from each other and from its collectives. (On the
 # ProcessGroup of the other exchanges, send/recv pairs slowed the gloo all-reduces after
 # them: see ProcessGroupTransport.)
@@ -268,9 +269,9 @@ class ProcessGroupTransport:
                 f"across ranks first)") from exc
 
     def _gather(self, recv, send, by_all_to_all: bool):
-        by_pairs = (self.gather_pg is not None and send.device.type == "cpu"
-                    and recv.numel() * recv.element_size() > PAIRS_GATHER_ABOVE_BYTES)
-        if by_pairs:
+        as_send_recv = (self.gather_pg is not None and send.device.type == "cpu"
+                        and recv.numel() * recv.element_size() > PAIRS_GATHER_ABOVE_BYTES)
+        if as_send_recv:
             (self._gather_by_pairs if by_all_to_all else self._gather_by_ring)(recv, send)
         elif by_all_to_all and self._direct:
             self.gather_pg.all_to_all_single(recv, self._replicated(send), [], [],

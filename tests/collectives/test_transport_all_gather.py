@@ -287,7 +287,7 @@ def test_the_ring_past_the_pairs_limit_lands_every_rank_at_its_offset(world):
     the shard's overlap with the output; up to the limit gloo's own ring (not recorded)."""
     for out in run_ranks(world, _ring, timeout=120):
         for gathered, dtype, shard_is, landed, hows in out:
-            past = gathered is not None and gathered > tt.PAIRS_GATHER_ABOVE_BYTES
+            past = gathered > tt.PAIRS_GATHER_ABOVE_BYTES
             assert landed and hows == ({"ring"} if past else set()), (gathered, dtype, shard_is, landed, hows)
         assert sum(1 for row in out if row[4]) >= 7, out  # fp32 twice, bf16 once, int8 once past it
 
@@ -366,7 +366,7 @@ def _dies_in_the_gather(rank, world, how, numel, path):
     qcoll.quantized_allgather(full, shard, g, bits=None)  # warm: connections, worker
     threads = _threads()
     if rank == world - 1:
-        # The all-to-all's send buffer, or the pairs, never reached.
+        # The all-to-all's send buffer, the pairs or the ring's steps, never reached.
         posts = {"all_to_all": "_replicated", "pairs": "_gather_by_pairs", "ring": "_gather_by_ring"}[path]
         if how == "dies":  # posts nothing, gone
             setattr(tt.ProcessGroupTransport, posts, lambda *a: os._exit(0))
