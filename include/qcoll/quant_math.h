@@ -265,16 +265,31 @@ QCOLL_HD GroupStats stats_combine(GroupStats a, const GroupStats& b) {
 
 QCOLL_HD bool stats_finite(const GroupStats& s) { return s.abs_bits < 0x7f800000u; }
 
+// A finite group's scale, stepped down one ulp at a time while its largest code decodes to
+// an overflow (top * scale, + offset when asymmetric, as decode_value computes it). Rounding
+// the division up can carry that value past FLT_MAX for a group that reaches it:
+// 127 * fl(FLT_MAX / 127) is +inf. One step makes top * scale at most the reach it was
+// divided from (the step outweighs the quotient's rounding); only groups within a step of
+// FLT_MAX ever take one, so every other scale is the plain quotient.
+QCOLL_HD float scale_with_finite_top(float scale, float top, float offset) {
+  while (scale > 0.0f && !is_finite(add(mul(top, scale), offset))) scale = bits_float(float_bits(scale) - 1u);
+  return scale;
+}
+
 // Every format: a non-finite group gets a NaN scale (and zero codes, codes_are_zero), so
 // all of its elements decode to NaN.
 QCOLL_HD GroupParams group_params(const GroupStats& s, CodeFormat f, bool symmetric) {
   if (!stats_finite(s)) return GroupParams{quiet_nan(), symmetric ? 0.0f : quiet_nan()};
-  if (symmetric) return GroupParams{div(bits_float(s.abs_bits), qmax_symmetric(f)), 0.0f};
+  if (symmetric) {
+    const float qmax = qmax_symmetric(f);
+    return GroupParams{scale_with_finite_top(div(bits_float(s.abs_bits), qmax), qmax, 0.0f), 0.0f};
+  }
   const float lo = key_to_float(s.lo_key);
   // A range that overflows fp32 cannot be coded; the group is marked non-finite.
   const float range = sub(key_to_float(s.hi_key), lo);
   if (!is_finite(range)) return GroupParams{quiet_nan(), quiet_nan()};
-  return GroupParams{div(range, levels_asymmetric(f)), lo};
+  const float levels = levels_asymmetric(f);
+  return GroupParams{scale_with_finite_top(div(range, levels), levels, lo), lo};
 }
 
 // The integer code of x (as a float holding an integer), before packing, for a group whose

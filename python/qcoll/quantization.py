@@ -175,7 +175,9 @@ def quantize(
     Integer symmetric: scale = absmax / (2**(bits-1) - 1), codes in [-qmax, qmax].
     Integer asymmetric: scale = (max - min) / (2**bits - 1), offset = min, codes in
     [0, 2**bits - 1]. Either way |x - dequantize(quantize(x))| <= scale / 2 per element
-    (up to fp32 rounding).
+    (up to fp32 rounding). Every format: where the largest code would decode to an fp32
+    overflow (a group reaching FLT_MAX: 127 * fl(FLT_MAX / 127) is inf), the scale is the
+    next float below the quotient, so finite groups always dequantize finite.
     fp8_e4m3 (symmetric only): scale = absmax / 448, codes = OCP E4M3FN bytes of x / scale
     rounded to nearest even (saturating at +-448), so |x - dequantize(quantize(x))| <=
     |x| / 16 + scale / 1024 (half an E4M3 ulp; the second term is the subnormal spacing).

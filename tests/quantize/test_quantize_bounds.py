@@ -23,8 +23,9 @@ def check_bound(x, q, out_dtype=None, mask=None):
 def finite_range_values(n, dtype, kind, group_size, bits, symmetric):
     x = make_values(n, dtype, kind, group_size, bits, symmetric)
     if dtype == torch.float32 and kind == "wide":
-        # Keep |x| <= 2**127 so that symmetric code * scale cannot overflow (see
-        # test_bound_at_float32_max) and asymmetric ranges mostly stay finite.
+        # Keep |x| <= 2**127 so that asymmetric ranges mostly stay finite and dequantized
+        # values fit every output dtype's check below (groups at FLT_MAX:
+        # test_groups_at_float32_max_decode_finite).
         x = torch.where(x.abs() > 2.0**127, x * 0.25, x)
     return x
 
@@ -80,12 +81,38 @@ def test_bound_is_tight(bits):
     assert torch.equal(err[1:], torch.full((m - 1,), 0.5))
 
 
-@pytest.mark.xfail(strict=True, reason="known contract issue: 127 * fl(FLT_MAX / 127) rounds to "
-                   "+inf in fp32, so a group whose absmax is FLT_MAX dequantizes to inf")
-def test_bound_at_float32_max():
-    x = torch.tensor([FLT_MAX, 1.0, -FLT_MAX])
-    q = qcoll.quantize(x, bits=8, group_size=8)
+# Groups that reach FLT_MAX. The plain quotient's largest code can decode to inf: symmetric
+# int8 at FLT_MAX (127 * fl(FLT_MAX / 127)), asymmetric from FLT_MAX down to some lo (2^111
+# here: levels * scale + lo); there the scale steps down one float. Symmetric int4 and fp8
+# (7 and 448) never overflow: their scales stay the plain quotient.
+EDGE_GROUPS = {True: [[FLT_MAX, 1.0, -FLT_MAX, 0.0, 2.0, -3.0, 0.5, 4.0],
+                      [-FLT_MAX, 3.0, 2.0, 1.0, 0.0, -1.0, 2.0**100, -(2.0**126)],
+                      [FLT_MAX * (1 - 2.0**-22), -5.0, 0.0, 1.0, 2.0**127, 7.0, 8.0, 9.0]],
+               False: [[FLT_MAX, 2.0**111, 2.0**120, 2.0**127, 2.0**112, 2.0**125, 2.0**126, 1.5 * 2.0**111],
+                       [FLT_MAX, 1.0, 0.0, 2.0, 3.0, 4.0, 2.0**127, 6.0]]}
+EDGE_MOVES = {(8, True): True, (4, True): False, ("fp8_e4m3", True): False, (8, False): True, (4, False): True}
+
+
+@pytest.mark.parametrize("bits, symmetric", list(EDGE_MOVES), ids=[f"{b}-{'sym' if s else 'asym'}" for b, s in EDGE_MOVES])
+def test_groups_at_float32_max_decode_finite(bits, symmetric):
+    x = torch.tensor([v for group in EDGE_GROUPS[symmetric] for v in group] + [0.5, -0.25, 1.0, 3.0] * 2)
+    q = qcoll.quantize(x, bits=bits, group_size=8, symmetric=symmetric)
+    r = ref.quantize(x, bits=bits, group_size=8, symmetric=symmetric)
+    ref.assert_matches_reference(q, r)
+    y = qcoll.dequantize(q)
+    assert torch.isfinite(y).all(), f"non-finite values decoded: {y}"
+    ref.assert_same_bits(y, ref.dequantize(r), "dequantize")
     check_bound(x, q)
+    # Exactly the groups whose plain quotient decodes its largest code to inf move, by one step.
+    groups = x.view(-1, 8)
+    top = ref.FP8_MAX if bits == "fp8_e4m3" else ref.qmax(bits) if symmetric else ref.levels(bits)
+    reach = groups.abs().amax(1) if symmetric else groups.amax(1) - groups.amin(1)
+    plain = reach / torch.full_like(reach, top)  # tensor / tensor: the IEEE quotient
+    largest = torch.full_like(plain, top) * plain
+    moved = torch.isinf(largest if symmetric else largest + groups.amin(1))
+    assert bool(moved.any()) == EDGE_MOVES[bits, symmetric]
+    assert torch.equal(q.scales != plain, moved)
+    assert (q.scales[moved] == torch.nextafter(plain[moved], torch.zeros_like(plain[moved]))).all()
 
 
 # ---- ties: round half to even -------------------------------------------------------------

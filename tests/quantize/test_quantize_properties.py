@@ -78,7 +78,7 @@ def test_stochastic_equals_reference(x, bits, symmetric, group_size, seed):
        symmetric=st.booleans(), group_size=group_sizes)
 def test_error_bound(data, dtype, bits, symmetric, group_size):
     # Magnitudes up to 2**126 (1e38): symmetric code * scale cannot overflow, nor can an
-    # asymmetric range hi - lo. (FLT_MAX itself: see test_bound_at_float32_max.)
+    # asymmetric range hi - lo. (FLT_MAX itself: see test_groups_at_float32_max_decode_finite.)
     x = data.draw(tensors(dtype, max_magnitude=2.0**126 if dtype != torch.float16 else None))
     q = qcoll.quantize(x, bits=bits, group_size=group_size, symmetric=symmetric)
     assert torch.isfinite(q.scales).all()

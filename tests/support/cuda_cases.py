@@ -235,6 +235,12 @@ def hard_values(dtype, bits, symmetric, kind):
     x[100] = float("nan")
     x[200] = float("inf")
     x[300] = float("-inf")
+    if dtype == torch.float32:  # groups that reach FLT_MAX: scales stepped below the quotient
+        top = torch.finfo(torch.float32).max
+        x[400:416] = torch.linspace(-1e30, 1e30, 16)
+        x[400], x[401] = top, -top
+        x[416:432] = torch.linspace(2.0**111, 2.0**127, 16)
+        x[416] = top
     x[20000:] = 3.0  # constant tail group
     return x
 

@@ -12,6 +12,9 @@ group may be shorter):
               clamped to [-qmax, qmax]; stored two's complement.
   asymmetric: scale = (hi - lo) / (2**bits - 1), offset = lo; code = rne((x - lo) / scale),
               clamped to [0, 2**bits - 1]; stored unsigned.
+  either:     while the largest code's value (qmax * scale, or levels * scale + lo)
+              overflows fp32, scale steps down to the next smaller float (groups that reach
+              FLT_MAX: 127 * fl(FLT_MAX / 127) is inf).
   scale == 0 -> code 0. A group with a NaN/Inf, or (asymmetric) whose fp32 hi - lo
   overflows, gets scale NaN (and offset NaN) and codes 0.
   stochastic: code = floor(v + u) with u from a SplitMix64 counter keyed by (seed, index).
@@ -146,6 +149,20 @@ def _group_min_max(flat: torch.Tensor, groups: int, group_size: int):
     return lo, hi
 
 
+def _with_finite_top(scales: torch.Tensor, top: float, offsets: Optional[torch.Tensor]) -> torch.Tensor:
+    """Each positive scale stepped down a float at a time while top * scale (+ offset)
+    overflows fp32: the largest code must decode to a finite value."""
+    zero = torch.zeros_like(scales)
+    while True:
+        value = _full(scales, top) * scales
+        if offsets is not None:
+            value = value + torch.where(torch.isfinite(offsets), offsets, zero)  # a separate add
+        step = (scales > 0) & torch.isinf(value)
+        if not step.any():
+            return scales
+        scales = torch.where(step, torch.nextafter(scales, zero), scales)
+
+
 def quantize(
     x: torch.Tensor,
     *,
@@ -178,6 +195,8 @@ def quantize(
         scales = torch.where(ok, rng / _full(rng, levels(bits)), nan)
         offsets = torch.where(ok, lo, nan)
 
+    top = FP8_MAX if fp8 else qmax(bits) if symmetric else levels(bits)
+    scales = _with_finite_top(scales, top, None if symmetric else offsets)
     s = _per_element(scales, group_size, n)
     coded = s > 0  # false for scale 0 and for NaN
     s_safe = torch.where(coded, s, torch.ones_like(s))
