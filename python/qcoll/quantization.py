@@ -176,8 +176,9 @@ def quantize(
     Integer asymmetric: scale = (max - min) / (2**bits - 1), offset = min, codes in
     [0, 2**bits - 1]. Either way |x - dequantize(quantize(x))| <= scale / 2 per element
     (up to fp32 rounding). Every format: where the largest code would decode to an fp32
-    overflow (a group reaching FLT_MAX: 127 * fl(FLT_MAX / 127) is inf), the scale is the
-    next float below the quotient, so finite groups always dequantize finite.
+    overflow (groups within a step of FLT_MAX: 127 * fl(FLT_MAX / 127) is inf), the scale
+    is the largest float below the quotient at which it does not (one or two floats down),
+    so a group with a finite scale dequantizes finite into fp32.
     fp8_e4m3 (symmetric only): scale = absmax / 448, codes = OCP E4M3FN bytes of x / scale
     rounded to nearest even (saturating at +-448), so |x - dequantize(quantize(x))| <=
     |x| / 16 + scale / 1024 (half an E4M3 ulp; the second term is the subnormal spacing).

@@ -83,13 +83,15 @@ def test_bound_is_tight(bits):
 
 # Groups that reach FLT_MAX. The plain quotient's largest code can decode to inf: symmetric
 # int8 at FLT_MAX (127 * fl(FLT_MAX / 127)), asymmetric from FLT_MAX down to some lo (2^111
-# here: levels * scale + lo); there the scale steps down one float. Symmetric int4 and fp8
-# (7 and 448) never overflow: their scales stay the plain quotient.
+# here: levels * scale + lo; 1.62e38, bits 0x7ef3c447, takes two steps in int8 and int4);
+# there the scale steps down to the largest float at which it decodes finite. Symmetric int4
+# and fp8 (7 and 448) never overflow: their scales stay the plain quotient.
+TWO_STEPS_LO = torch.tensor([0x7EF3C447], dtype=torch.int32).view(torch.float32).item()
 EDGE_GROUPS = {True: [[FLT_MAX, 1.0, -FLT_MAX, 0.0, 2.0, -3.0, 0.5, 4.0],
                       [-FLT_MAX, 3.0, 2.0, 1.0, 0.0, -1.0, 2.0**100, -(2.0**126)],
                       [FLT_MAX * (1 - 2.0**-22), -5.0, 0.0, 1.0, 2.0**127, 7.0, 8.0, 9.0]],
                False: [[FLT_MAX, 2.0**111, 2.0**120, 2.0**127, 2.0**112, 2.0**125, 2.0**126, 1.5 * 2.0**111],
-                       [FLT_MAX, 1.0, 0.0, 2.0, 3.0, 4.0, 2.0**127, 6.0]]}
+                       [FLT_MAX, 1.0, 0.0, 2.0, 3.0, 4.0, 2.0**127, 6.0], [FLT_MAX] + [TWO_STEPS_LO] * 7]}
 EDGE_MOVES = {(8, True): True, (4, True): False, ("fp8_e4m3", True): False, (8, False): True, (4, False): True}
 
 
@@ -103,16 +105,24 @@ def test_groups_at_float32_max_decode_finite(bits, symmetric):
     assert torch.isfinite(y).all(), f"non-finite values decoded: {y}"
     ref.assert_same_bits(y, ref.dequantize(r), "dequantize")
     check_bound(x, q)
-    # Exactly the groups whose plain quotient decodes its largest code to inf move, by one step.
+    # Exactly the groups whose plain quotient decodes its largest code to inf move, each to the
+    # largest float below it that decodes finite.
     groups = x.view(-1, 8)
     top = ref.FP8_MAX if bits == "fp8_e4m3" else ref.qmax(bits) if symmetric else ref.levels(bits)
     reach = groups.abs().amax(1) if symmetric else groups.amax(1) - groups.amin(1)
     plain = reach / torch.full_like(reach, top)  # tensor / tensor: the IEEE quotient
     largest = torch.full_like(plain, top) * plain
-    moved = torch.isinf(largest if symmetric else largest + groups.amin(1))
+    offset = 0.0 if symmetric else groups.amin(1)
+    moved = torch.isinf(largest + offset)
     assert bool(moved.any()) == EDGE_MOVES[bits, symmetric]
     assert torch.equal(q.scales != plain, moved)
-    assert (q.scales[moved] == torch.nextafter(plain[moved], torch.zeros_like(plain[moved]))).all()
+
+    def decodes_finite(scale):
+        return torch.isfinite(torch.full_like(scale, top) * scale + offset)
+
+    above = torch.nextafter(q.scales, torch.full_like(q.scales, math.inf))
+    assert (q.scales <= plain).all() and decodes_finite(q.scales).all()
+    assert not decodes_finite(above)[moved].any(), "a moved scale must be the largest that decodes finite"
 
 
 # ---- ties: round half to even -------------------------------------------------------------

@@ -237,10 +237,12 @@ def hard_values(dtype, bits, symmetric, kind):
     x[300] = float("-inf")
     if dtype == torch.float32:  # groups that reach FLT_MAX: scales stepped below the quotient
         top = torch.finfo(torch.float32).max
-        x[400:416] = torch.linspace(-1e30, 1e30, 16)
-        x[400], x[401] = top, -top
-        x[416:432] = torch.linspace(2.0**111, 2.0**127, 16)
-        x[416] = top
+        x[400:416] = torch.linspace(-1e30, 1e30, 16)  # symmetric int8: one step
+        x[400], x[401] = top, -top  # (asymmetric: a range past fp32, a NaN group)
+        x[416:432] = torch.linspace(2.0**111, 2.0**127, 16)  # asymmetric: one step
+        x[431] = top
+        x[432:448] = torch.tensor([0x7EF3C447], dtype=torch.int32).view(torch.float32)  # asymmetric: two
+        x[447] = top
     x[20000:] = 3.0  # constant tail group
     return x
 
