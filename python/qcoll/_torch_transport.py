@@ -146,6 +146,13 @@ def _sends_apart(send, recv, rank: int) -> bool:
     return start == low + rank * nbytes or end <= low or start >= low + recv.numel() * recv.element_size()
 
 
+def _copy_own_slot(own_slot, send) -> None:
+    """The rank's own slot of a gather's output: `send`, unless it already is that slot
+    (an in-place gather; _sends_apart admits no other overlap)."""
+    if own_slot.data_ptr() != send.data_ptr():
+        own_slot.copy_(send)
+
+
 def _timed(gather, by_all_to_all: bool) -> float:
     start = time.perf_counter()
     gather(by_all_to_all)
@@ -292,8 +299,7 @@ class ProcessGroupTransport:
         sources = [(rank - k) % size for k in range(1, size)]
         works = [pg.recv([slots[source]], source, 0) for source in sources]
         works += [pg.send([send], (rank + k) % size, 0) for k in range(1, size)]
-        if slots[rank].data_ptr() != send.data_ptr():
-            slots[rank].copy_(send)
+        _copy_own_slot(slots[rank], send)
         for work in works:
             work.wait()
 
@@ -306,8 +312,7 @@ class ProcessGroupTransport:
         1.5-3x these steps' time from 16 MB (bench/results/probe-gloo-ring-by-pairs-cpu.txt)."""
         pg, size, rank = self.gather_pg, self.size, self.rank
         slots = recv.view(size, -1)
-        if slots[rank].data_ptr() != send.data_ptr():
-            slots[rank].copy_(send)
+        _copy_own_slot(slots[rank], send)
         after, before = (rank + 1) % size, (rank - 1) % size
         for step in range(size - 1):
             works = [pg.recv([slots[(rank - step - 1) % size]], before, 0),
