@@ -101,10 +101,18 @@ class Copy:
         return t, gbps
 
 
+def _every(kernel: str, dtype_name: str) -> bool:
+    return True
+
+
 def _quantize_rows(copy: Copy, nbytes: int, device: torch.device, dtype_name: str, bits: int,
-                   variant: str = ""):
+                   variant: str = "", want=_every):
     """variant "": nearest; " +H": Hadamard smoothing (and its inverse on dequantize);
     " SR": stochastic rounding (quantize only: dequantize is the nearest row's)."""
+    q_name, dq_name = f"quantize {format_name(bits)}{variant}", f"dequantize {format_name(bits)}{variant}"
+    timed_q, timed_dq = want(q_name, dtype_name), variant != " SR" and want(dq_name, dtype_name)
+    if not (timed_q or timed_dq):
+        return
     dtype = DTYPES[dtype_name]
     n = nbytes // dtype.itemsize
     rot = copies_for(nbytes)
@@ -115,18 +123,23 @@ def _quantize_rows(copy: Copy, nbytes: int, device: torch.device, dtype_name: st
     qs = [qcoll.quantize(x, **kw) for x in xs]
     out = torch.empty(n, dtype=dtype, device=device)
     q_bytes = qs[0].nbytes
-    # Reused output buffers: time the kernel, not the allocator's fresh pages.
-    t_q, c_q = copy.time(lambda i: qcoll.quantize(xs[i % rot], out=qs[i % rot], **kw), rot)
     moved = nbytes + q_bytes  # read input + write codes/scales (and the reverse)
-    yield f"quantize {format_name(bits)}{variant}", dtype_name, moved / t_q / 1e9, c_q
-    if variant != " SR":
+    # Reused output buffers: time the kernel, not the allocator's fresh pages.
+    if timed_q:
+        t_q, c_q = copy.time(lambda i: qcoll.quantize(xs[i % rot], out=qs[i % rot], **kw), rot)
+        yield q_name, dtype_name, moved / t_q / 1e9, c_q
+    if timed_dq:
         t_dq, c_dq = copy.time(lambda i: qcoll.dequantize(qs[i % rot], out=out), rot)
-        yield f"dequantize {format_name(bits)}{variant}", dtype_name, moved / t_dq / 1e9, c_dq
+        yield dq_name, dtype_name, moved / t_dq / 1e9, c_dq
 
 
-def _swizzle_row(copy: Copy, nbytes: int, device: torch.device, dtype_name: str, bits: int = 8,
+def _swizzle_row(copy: Copy, nbytes: int, device: torch.device, dtype_name: str, want=_every, bits: int = 8,
                  node_size: int = 2, nodes: int = 2):
-    """encode_chunks as the reduce-scatter's first step: count partitions, swizzled."""
+    """encode_chunks as the reduce-scatter's first step: count partitions, swizzled (None
+    where `want` leaves the row out)."""
+    name = f"swizzled quantize {format_name(bits)}"
+    if not want(name, dtype_name):
+        return None
     dtype = DTYPES[dtype_name]
     count = node_size * nodes
     part = nbytes // dtype.itemsize // count
@@ -143,7 +156,7 @@ def _swizzle_row(copy: Copy, nbytes: int, device: torch.device, dtype_name: str,
 
     t, c = copy.time(call, rot)
     moved = count * part * dtype.itemsize + count * chunk
-    return f"swizzled quantize {format_name(bits)}", dtype_name, moved / t / 1e9, c
+    return name, dtype_name, moved / t / 1e9, c
 
 
 def _wire_sources(n: int, sources: int, bits: int, device: torch.device, rot: int):
@@ -161,9 +174,13 @@ def _wire_sources(n: int, sources: int, bits: int, device: torch.device, rot: in
     return bufs, chunk
 
 
-def _reduce_requant_row(copy: Copy, nbytes: int, device: torch.device, sources: int, in_bits: int = 8,
-                        out_bits: int = 4):
-    """reduce_chunks(out_wire): dequantize `sources` chunks, sum in fp32, re-quantize."""
+def _reduce_requant_row(copy: Copy, nbytes: int, device: torch.device, sources: int, want=_every,
+                        in_bits: int = 8, out_bits: int = 4):
+    """reduce_chunks(out_wire): dequantize `sources` chunks, sum in fp32, re-quantize (None
+    where `want` leaves the row out)."""
+    name = f"dq-reduce-q {format_name(in_bits)}x{sources}->{format_name(out_bits)}"
+    if not want(name, "fp32"):
+        return None
     n = nbytes // 4
     gs = qcoll.DEFAULT_GROUP_SIZE
     rot = copies_for(sources * _C.wire_chunk_bytes(format_code(in_bits), gs, 0, n))
@@ -178,12 +195,16 @@ def _reduce_requant_row(copy: Copy, nbytes: int, device: torch.device, sources: 
 
     t, c = copy.time(call, rot)
     moved = sources * chunk + out_chunk
-    return f"dq-reduce-q {format_name(in_bits)}x{sources}->{format_name(out_bits)}", "fp32", moved / t / 1e9, c
+    return name, "fp32", moved / t / 1e9, c
 
 
-def _reduce_values_row(copy: Copy, nbytes: int, device: torch.device, dtype_name: str, sources: int = 2,
-                       in_bits: int = 4):
-    """reduce_chunks(out_values): dequantize `sources` chunks, sum, write values."""
+def _reduce_values_row(copy: Copy, nbytes: int, device: torch.device, dtype_name: str, want=_every,
+                       sources: int = 2, in_bits: int = 4):
+    """reduce_chunks(out_values): dequantize `sources` chunks, sum, write values (None where
+    `want` leaves the row out)."""
+    name = f"dq-reduce {format_name(in_bits)}x{sources}"
+    if not want(name, dtype_name):
+        return None
     dtype = DTYPES[dtype_name]
     n = nbytes // dtype.itemsize
     gs = qcoll.DEFAULT_GROUP_SIZE
@@ -199,20 +220,24 @@ def _reduce_values_row(copy: Copy, nbytes: int, device: torch.device, dtype_name
 
     t, c = copy.time(call, rot)
     moved = sources * chunk + n * dtype.itemsize
-    return f"dq-reduce {format_name(in_bits)}x{sources}", dtype_name, moved / t / 1e9, c
+    return name, dtype_name, moved / t / 1e9, c
 
 
-def _rows_at(copy: Copy, nbytes: int, device: torch.device):
+def _rows_at(copy: Copy, nbytes: int, device: torch.device, want=_every):
+    """(kernel, dtype, GB/s, copy's GB/s) of every kernel row at `nbytes`; only the rows
+    whose (kernel, dtype) `want` takes are set up and timed (the gate's retry of its slow
+    cells)."""
     for variant in ("", " +H", " SR"):
         for dtype_name in DTYPES:
             for bits in (8, 4, "fp8_e4m3"):
-                yield from _quantize_rows(copy, nbytes, device, dtype_name, bits, variant)
-    for dtype_name in DTYPES:
-        yield _swizzle_row(copy, nbytes, device, dtype_name)
-    for sources in (2, 4):
-        yield _reduce_requant_row(copy, nbytes, device, sources)
-    for dtype_name in DTYPES:
-        yield _reduce_values_row(copy, nbytes, device, dtype_name)
+                yield from _quantize_rows(copy, nbytes, device, dtype_name, bits, variant, want)
+    rows = [lambda d=d: _swizzle_row(copy, nbytes, device, d, want) for d in DTYPES]
+    rows += [lambda k=k: _reduce_requant_row(copy, nbytes, device, k, want) for k in (2, 4)]
+    rows += [lambda d=d: _reduce_values_row(copy, nbytes, device, d, want) for d in DTYPES]
+    for row in rows:  # each measured as the loop reaches it, as the quantize rows
+        measured = row()
+        if measured is not None:
+            yield measured
 
 
 # A size measured while other processes used more than MAX_OTHER_CORES cores of CPU was
