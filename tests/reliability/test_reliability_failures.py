@@ -45,9 +45,9 @@ def _failure_worker(rank, world, node_size, when, async_op):
                 time.sleep(TIMEOUT + SLACK + 2)
                 os._exit(0)
             tt.ProcessGroupTransport.all_to_all = stall
-        if when == "silent":  # alive, but never makes the call
+        if when == "silent":  # alive, but never makes the call (killed once the others report)
             time.sleep(TIMEOUT + SLACK + 2)
-            return None
+            os._exit(0)
     start = time.monotonic()
     try:
         work = qcoll.quantized_reduce_scatter(out, x, g, pipeline_stages=4, async_op=async_op)
@@ -74,7 +74,7 @@ def _failure_worker(rank, world, node_size, when, async_op):
                                            ("silent", False)])
 def test_dead_or_silent_peer_raises_within_the_timeout(when, async_op):
     world, node_size = 4, 2
-    dead = (world - 1,) if when != "silent" else ()  # a stalled rank exits after the others
+    dead = (world - 1,)  # dies, or stalls (or stays silent) until the others have reported
     results = run_ranks(world, _failure_worker, node_size, when, async_op, timeout=60, dead=dead)
     for rank, res in enumerate(results[: world - 1]):
         elapsed, msg, leaked, refused = res

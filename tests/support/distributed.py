@@ -66,7 +66,12 @@ def run_ranks(world: int, fn, *args, env=None, timeout: float = 120.0, dead=()) 
             raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang?)") from None
         finally:
             deadline = time.monotonic() + 10  # for all of them, not 10 s each
-            for p in procs:
+            reported = len(collected) == world - len(dead)
+            for r, p in enumerate(procs):
+                if reported and r in dead:
+                    # Nothing more to come from it once the others reported: a rank that stalls
+                    # on purpose sleeps past their timeouts (13 s of each such test, unkilled).
+                    p.kill()
                 p.join(timeout=max(0.0, deadline - time.monotonic()))
                 if p.is_alive():
                     p.kill()
