@@ -268,9 +268,11 @@ QCOLL_HD bool stats_finite(const GroupStats& s) { return s.abs_bits < 0x7f800000
 // A finite group's scale, stepped down one ulp at a time while its largest code decodes to
 // an overflow (top * scale, + offset when asymmetric, as decode_value computes it). Rounding
 // the division up can carry that value past FLT_MAX for a group that reaches it:
-// 127 * fl(FLT_MAX / 127) is +inf. One step makes top * scale at most the reach it was
-// divided from (the step outweighs the quotient's rounding); only groups within a step of
-// FLT_MAX ever take one, so every other scale is the plain quotient.
+// 127 * fl(FLT_MAX / 127) is +inf. A symmetric group takes one step: it makes top * scale at
+// most the absmax it was divided from (the step outweighs the quotient's rounding). An
+// asymmetric group's range was rounded too, and lo is added after: some take two (FLT_MAX
+// with lo 0x7ef3c447). Only groups within a step or two of FLT_MAX move; every other scale
+// is the plain quotient.
 QCOLL_HD float scale_with_finite_top(float scale, float top, float offset) {
   while (scale > 0.0f && !is_finite(add(mul(top, scale), offset))) scale = bits_float(float_bits(scale) - 1u);
   return scale;
