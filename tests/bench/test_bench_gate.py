@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from tests.bench.test_bench import ROOT, _run
 
@@ -83,15 +84,27 @@ class _Progress:
         pass
 
 
-def _gate_with(monkeypatch, tmp_path, kernel_floors: dict, measure) -> dict:
-    """gate.run over the kernels and one collective cell (floor 1.0), measured by `measure`."""
+def _gate_with(monkeypatch, tmp_path, kernel_floors: dict, kernel_ratios) -> tuple:
+    """gate.run over the kernels and one collective cell (floor 1.0, measured at it), the
+    kernels' ratios from kernel_ratios(cells asked for, the calls so far): the result and
+    gate._measure's calls, (part, cells)."""
     path = tmp_path / "gate.json"
     path.write_text(json.dumps({"cpu_vendor": gate.cpu_vendor(),
                                 "floors": {**kernel_floors, "allgather x vs torch": 1.0}}))
+    calls = []
+
+    def measure(part, slow, cells=None):
+        calls.append((part, cells))
+        return {"allgather x vs torch": 1.0} if part == "collectives" else kernel_ratios(cells, calls)
+
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(gate, "_measure", measure)
     monkeypatch.setattr(gate, "_floors_isa", lambda path: None)
-    return gate.run(False, _Progress(), gate_parts="kernels,collectives", floors_path=str(path))
+    return gate.run(False, _Progress(), gate_parts="kernels,collectives", floors_path=str(path)), calls
+
+
+def _asked(measured: dict, cells) -> dict:
+    return {c: r for c, r in measured.items() if cells is None or c in cells}
 
 
 def test_a_slow_kernel_cell_is_measured_again_alone(monkeypatch, tmp_path):
@@ -100,45 +113,82 @@ def test_a_slow_kernel_cell_is_measured_again_alone(monkeypatch, tmp_path):
     passed, are not run again."""
     measured, floors = _kernels([1.0] * 7 + [0.5])
     slow_cell = list(floors)[-1]
-    calls = []
 
-    def measure(part, slow, cells=None):
-        calls.append((part, cells))
-        if part == "collectives":
-            return {"allgather x vs torch": 1.0}
-        out = {c: r for c, r in measured.items() if cells is None or c in cells}
+    def kernel_ratios(cells, calls):
+        out = _asked(measured, cells)
         if len(calls) == 4:  # the second retry: back at its floor
             out[slow_cell] = 0.5
         return out
 
-    result = _gate_with(monkeypatch, tmp_path, floors, measure)
+    result, calls = _gate_with(monkeypatch, tmp_path, floors, kernel_ratios)
     assert calls == [("kernels", None), ("collectives", None), ("kernels", {slow_cell}), ("kernels", {slow_cell})]
     assert not result["failed"] and result["retried"] == ["kernels"]
     assert result["cells"][slow_cell]["ratio"] == 0.5
     assert all(result["cells"][c]["ratio"] == measured[c] for c in floors if c != slow_cell)
 
 
+def test_a_cell_the_rising_drift_fails_is_measured_again_too(monkeypatch, tmp_path):
+    """A kernel cell measured again can raise the drift, and with it the mark of a cell that
+    passed on its first measure: that cell gets its own retries (counted per cell, not per
+    round) rather than failing unmeasured. Drift 0.825 first (cell b at 0.62 of its floor
+    passes 0.75 x 0.825), 0.9 once cell a comes back."""
+    measured, floors = _kernels([0.3, 0.62] + [0.8] * 4 + [0.9] * 2)
+    a, b = list(floors)[:2]
+
+    def kernel_ratios(cells, calls):
+        out = _asked(measured, cells)
+        if cells == {a} and calls.count(("kernels", {a})) == 2:
+            out[a] = 0.5  # back at its floor on its second retry
+        if cells == {b}:
+            out[b] = 0.5 * 0.7
+        return out
+
+    result, calls = _gate_with(monkeypatch, tmp_path, floors, kernel_ratios)
+    assert calls == [("kernels", None), ("collectives", None), ("kernels", {a}), ("kernels", {a}), ("kernels", {b})]
+    assert abs(result["kernel_drift"]["value"] - 0.9) < 1e-9
+    assert not result["failed"], result["failing_cells"]
+
+
+def test_kernel_rows_are_named_as_the_gate_asks_for_them():
+    """kernels._rows_at times exactly the rows `want` takes, under the names the gate's cells
+    use (a retry of a cell whose name no row carries would keep its first ratio)."""
+    from suites import kernels
+
+    class Untimed:  # each row's call run once, no timing
+        def time(self, fn, rotate):
+            fn(0)
+            return 1.0, 1.0
+
+    dev = torch.device("cpu")
+    every = [(k, d) for k, d, _, _ in kernels._rows_at(Untimed(), 64 << 10, dev)]
+    floors = {c for c in gate.load_floors()["floors"] if c.startswith("kernel ")}
+    assert {gate.kernel_cell(k, d) for k, d in every} == floors
+    for kernel, dtype in (("dequantize int4", "fp32"), ("quantize fp8_e4m3 SR", "bf16"), ("dq-reduce int4x2", "bf16")):
+        rows = list(kernels._rows_at(Untimed(), 64 << 10, dev, lambda k, d: (k, d) == (kernel, dtype)))
+        assert [(k, d) for k, d, _, _ in rows] == [(kernel, dtype)]
+
+
+def test_a_retry_of_a_cell_no_kernel_row_carries_is_an_error(monkeypatch):
+    monkeypatch.setattr(gate.kernels, "Copy", lambda *a, **k: None)
+    monkeypatch.setattr(gate.kernels, "_rows_at", lambda copy, nbytes, dev, want: iter(()))
+    with pytest.raises(RuntimeError, match="no kernel row"):
+        gate.measure_kernels(cells={"kernel renamed fp32 16 MB", "allgather x vs torch"})
+
+
 def test_a_drift_failure_measures_the_kernels_again_and_names_the_drift(monkeypatch, tmp_path):
     """run() retries the kernels (not the collectives) when only the drift fails, keeps each
     cell's best, and passes once the kernels come back; the table names the drift."""
     measured, floors = _kernels([0.6] * 8)
-    calls = []
-
-    def measure(part, slow, cells=None):
-        calls.append((part, cells))
-        if part == "collectives":
-            return {"allgather x vs torch": 1.0}
-        return {c: r * (1 if len(calls) == 1 else 1.5) for c, r in measured.items()}
-
-    result = _gate_with(monkeypatch, tmp_path, floors, measure)
+    result, calls = _gate_with(monkeypatch, tmp_path, floors, lambda cells, calls: {
+        c: r * (1 if len(calls) == 1 else 1.5) for c, r in _asked(measured, cells).items()})
     # The drift is every kernel's measure: all of them again, not the cells alone.
     assert calls == [("kernels", None), ("collectives", None), ("kernels", None)]
     assert not result["failed"] and result["retried"] == ["kernels"]
     assert abs(result["kernel_drift"]["value"] - 0.9) < 1e-9
-    result = _gate_with(monkeypatch, tmp_path, floors, lambda part, slow, cells=None:
-                        measured if part == "kernels" else {"allgather x vs torch": 1.0})
+    result, calls = _gate_with(monkeypatch, tmp_path, floors, lambda cells, calls: _asked(measured, cells))
     assert result["failed"] and result["failing_cells"] == [gate.DRIFT_CELL]
     assert result["retried"] == ["kernels"]
+    assert calls == [("kernels", None), ("collectives", None), ("kernels", None), ("kernels", None)]
     assert "gate FAILED on the kernels' drift (0.60 < 0.7)" in gate.table(result)[-1]
 
 
