@@ -44,7 +44,8 @@ def run_ranks(world: int, fn, *args, env=None, timeout: float = 120.0, dead=()) 
     env: optional {rank: {VAR: value}} set in that rank before init. A failing rank's
     traceback is raised as AssertionError in the test; a hang past `timeout` fails too.
     dead: ranks that exit on purpose (os._exit) without a result (None in the list); the
-    others then skip the final barrier.
+    others then skip the final barrier, and one still running once they have all reported (a
+    rank that stalls on purpose) is killed then.
     """
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
@@ -66,9 +67,9 @@ def run_ranks(world: int, fn, *args, env=None, timeout: float = 120.0, dead=()) 
             raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang?)") from None
         finally:
             deadline = time.monotonic() + 10  # for all of them, not 10 s each
-            reported = len(collected) == world - len(dead)
+            reported = set(collected) == set(range(world)) - set(dead)
             for r, p in enumerate(procs):
-                if reported and r in dead:
+                if reported and r in dead and p.is_alive():
                     # Nothing more to come from it once the others reported: a rank that stalls
                     # on purpose sleeps past their timeouts (13 s of each such test, unkilled).
                     p.kill()

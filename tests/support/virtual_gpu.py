@@ -43,12 +43,7 @@ def run_virtual(world: int, scenario: str, *args, env=None, timeout: float = 120
                  str(world), store, tmp, argfile], env=e, stdout=log, stderr=subprocess.STDOUT), log))
         deadline = time.monotonic() + timeout
         hung = False
-        # The live ranks first: a dead one has nothing more to give once they are done (a
-        # rank that stalls on purpose sleeps past their timeouts), so it is killed then.
-        for r in sorted(range(world), key=lambda r: r in dead):
-            p = procs[r][0]
-            if r in dead and not hung:
-                p.kill()
+        for p, _ in procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
