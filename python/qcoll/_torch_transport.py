@@ -265,7 +265,7 @@ class ProcessGroupTransport:
         try:
             works = [self.gather_pg.recv([slots[p]], p, CALL_CHECK_TAG) for p in peers]
             works += [self.gather_pg.send([send], p, CALL_CHECK_TAG) for p in peers]
-            slots[self.rank].copy_(send)
+            _copy_own_slot(slots[self.rank], send)
             for work in works:
                 work.wait()
         except Exception as exc:  # noqa: BLE001 - named and re-raised
