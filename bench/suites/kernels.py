@@ -29,6 +29,7 @@ measured again after a quiet moment (up to 4 attempts, the least disturbed kept 
 
 from __future__ import annotations
 
+import itertools
 import statistics
 
 import torch
@@ -231,13 +232,10 @@ def _rows_at(copy: Copy, nbytes: int, device: torch.device, want=_every):
         for dtype_name in DTYPES:
             for bits in (8, 4, "fp8_e4m3"):
                 yield from _quantize_rows(copy, nbytes, device, dtype_name, bits, variant, want)
-    rows = [lambda d=d: _swizzle_row(copy, nbytes, device, d, want) for d in DTYPES]
-    rows += [lambda k=k: _reduce_requant_row(copy, nbytes, device, k, want) for k in (2, 4)]
-    rows += [lambda d=d: _reduce_values_row(copy, nbytes, device, d, want) for d in DTYPES]
-    for row in rows:  # each measured as the loop reaches it, as the quantize rows
-        measured = row()
-        if measured is not None:
-            yield measured
+    rows = itertools.chain((_swizzle_row(copy, nbytes, device, d, want) for d in DTYPES),
+                           (_reduce_requant_row(copy, nbytes, device, k, want) for k in (2, 4)),
+                           (_reduce_values_row(copy, nbytes, device, d, want) for d in DTYPES))
+    yield from (row for row in rows if row is not None)  # lazily: each timed as it is reached
 
 
 # A size measured while other processes used more than MAX_OTHER_CORES cores of CPU was
