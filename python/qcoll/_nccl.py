@@ -6,14 +6,19 @@ libnccl.so.2 torch already loaded (or QCOLL_NCCL_PATH), resolved at run time by 
 Lifetime: communicators are created nonblocking and polled, so creation never waits past
 the group's timeout (src/comm/nccl_comm.h). Group.close() / qcoll.destroy() destroy them in
 the same order on every rank (finalize may wait for the node's other members, at most the
-timeout, then aborts). Any communicator still alive at interpreter exit is aborted, never
-destroyed: a peer may already be gone."""
+timeout, then aborts). A Group (or sub-group) dropped without close() hands its
+communicator to release_communicators, destroyed on a thread of its own: the ranks drop
+their Groups at different times (or never), and the thread that drops one must not wait
+for the others. Any communicator still alive at interpreter exit is aborted, never destroyed: a
+peer may already be gone (an abort also ends a release still waiting)."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
 import functools
+import queue
+import threading
 import weakref
 
 import torch
@@ -23,6 +28,9 @@ from . import _C
 from .info import _static_info
 
 _live_comms: "weakref.WeakSet" = weakref.WeakSet()  # aborted at interpreter exit
+_live_lock = threading.Lock()  # release threads discard from it while exit may iterate it
+_to_release: "queue.SimpleQueue" = queue.SimpleQueue()  # dropped Groups' (reentrant put)
+_release_thread = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,23 +90,80 @@ def create_nccl_communicator(group, device: torch.device):
     # The group's timeout bounds every NCCL call (the core's watchdog aborts past it).
     comm = _C.NcclCommunicator(infos[0][1], group.rank, group.size, local, device.index or 0,
                                group.timeout.total_seconds())
-    _live_comms.add(comm)
+    with _live_lock:
+        _live_comms.add(comm)
+    _start_release_thread()
     return comm
 
 
 def destroy_communicator(comm) -> None:
     """ncclCommDestroy now (ncclCommAbort after an asynchronous error). Collective in order:
     every rank destroys its communicators in the same sequence (Group.close does)."""
-    _live_comms.discard(comm)
+    with _live_lock:
+        _live_comms.discard(comm)
     comm.destroy()
+
+
+def release_communicators(comms: list) -> None:
+    """A dropped Group's communicators (the list is emptied), from its finalizer: queued for
+    the release thread, which destroys each on a daemon thread of its own, so the thread
+    that dropped the Group (the garbage collector's, perhaps) never waits and starts no
+    thread. A finalize meets the other members' as they drop theirs; past the timeout (a
+    member that keeps its Group, or died), it aborts. Concurrent, not in sequence: the
+    ranks' drops need no common order."""
+    while comms:
+        _to_release.put(comms.pop())
+
+
+def _start_release_thread() -> None:
+    """Started with the first communicator, outside any finalizer."""
+    global _release_thread
+    with _live_lock:
+        if _release_thread is None:
+            _release_thread = threading.Thread(target=_release_loop, daemon=True,
+                                               name="qcoll-nccl-release")
+            _release_thread.start()
+
+
+def _release_loop() -> None:
+    while True:
+        comm = _to_release.get()
+        try:
+            threading.Thread(target=_destroy_released, args=(comm,), daemon=True,
+                             name="qcoll-nccl-destroy").start()
+        except Exception:  # noqa: BLE001 - no thread to wait in: free it without waiting
+            _abort_released(comm)
+        del comm  # the destroy thread holds it; its last reference must not end here
+
+
+def _destroy_released(comm) -> None:
+    try:
+        comm.destroy()
+    except Exception:  # noqa: BLE001 - no caller is left to report to
+        _abort_released(comm)
+    finally:
+        with _live_lock:
+            _live_comms.discard(comm)
+
+
+def _abort_released(comm) -> None:
+    try:
+        comm.abort()
+    except Exception:  # noqa: BLE001 - nothing left to do; its resources go with the process
+        pass
+    with _live_lock:
+        _live_comms.discard(comm)
 
 
 @atexit.register
 def _abort_at_exit() -> None:
     # At exit a peer may already be gone: abort frees without waiting for it.
-    for comm in list(_live_comms):
+    with _live_lock:
+        live = list(_live_comms)
+    for comm in live:
         try:
             comm.abort()
         except Exception:  # noqa: BLE001 - exit must go on; nothing can be reported to
             pass
-    _live_comms.clear()
+    with _live_lock:
+        _live_comms.clear()

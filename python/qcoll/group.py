@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import sys
 import threading
 import weakref
 from datetime import timedelta
@@ -29,6 +30,11 @@ from ._torch_transport import ProcessGroupTransport, SelfTransport, check_gather
 BACKENDS = ("nccl", "torch")
 _live_groups: "weakref.WeakSet[Group]" = weakref.WeakSet()  # for qcoll.destroy()
 _creation_order = itertools.count()
+
+
+def _release_communicators(comms: list) -> None:
+    if comms:  # only then is _nccl loaded (no import, from a finalizer, otherwise)
+        sys.modules["qcoll._nccl"].release_communicators(comms)
 
 
 class Group:
@@ -78,6 +84,10 @@ class Group:
         self._torch_comm = _C.TorchCommunicator(self.rank, self.size, local, transport)
         self._transport = transport
         self._nccl_comm = None
+        # The same communicator until close() destroys it, in a list this Group's finalizer
+        # holds: dropped without close(), the Group releases it (_nccl.py), never waiting.
+        self._nccl_to_release: list = []
+        weakref.finalize(self, _release_communicators, self._nccl_to_release).atexit = False
         self._nccl_usable = None  # backend=None: whether every member can use NCCL (agreed)
         self._cpu_workspace = None  # grow-only scratch of its CPU calls (_runtime/call.py)
         self._sequence = itertools.count()  # call numbers, stamped into the wire headers
@@ -155,6 +165,7 @@ class Group:
                         from ._nccl import destroy_communicator
 
                         comm, g._nccl_comm = g._nccl_comm, None
+                        g._nccl_to_release.clear()
                         destroy_communicator(comm)
                     for attr in ("_gather_pg", "_owned_pg"):
                         if getattr(g, attr) is not None:
@@ -200,6 +211,7 @@ class Group:
                 from ._nccl import create_nccl_communicator
 
                 self._nccl_comm = create_nccl_communicator(self, device)
+                self._nccl_to_release.append(self._nccl_comm)
             return self._nccl_comm
         return self._torch_comm
 

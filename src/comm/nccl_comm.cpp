@@ -161,7 +161,7 @@ ncclResult_t NcclCommunicator::wait_settled(Clock::time_point deadline) const {
     if (q != ncclSuccess) return q;
     if (state != ncclInProgress) return state;
     const auto now = Clock::now();
-    if (now > deadline) return ncclInProgress;
+    if (now > deadline || abandoned_.load()) return ncclInProgress;
     if (now < spin_until) {
       std::this_thread::yield();
     } else {
@@ -290,6 +290,7 @@ void NcclCommunicator::watchdog_loop() {
 }
 
 void NcclCommunicator::stop_watchdog() {
+  std::lock_guard<std::mutex> stopping(stop_mu_);  // one join, whichever thread comes first
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -325,6 +326,10 @@ NcclCommunicator::~NcclCommunicator() {
 }
 
 void NcclCommunicator::destroy() {
+  // A dropped Group's communicator is destroyed on a thread of its own (python/qcoll/
+  // _nccl.py), at any time: its CUDA calls must not invalidate a graph another thread
+  // captures in the default (global) mode, as the watchdog's must not.
+  RelaxedCaptureMode relaxed;
   stop_watchdog();
   std::lock_guard<std::mutex> call(call_mu_);
   if (!comm_) return;
@@ -350,6 +355,8 @@ void NcclCommunicator::destroy() {
 }
 
 void NcclCommunicator::abort() {
+  abandoned_ = true;  // a destroy() waiting for the peers' finalize (holding call_mu_) gives up
+  RelaxedCaptureMode relaxed;  // as in destroy()
   stop_watchdog();
   std::lock_guard<std::mutex> call(call_mu_);
   if (!comm_) return;

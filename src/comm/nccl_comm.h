@@ -53,7 +53,8 @@ class NcclCommunicator final : public Communicator {
   // second call does nothing.
   void destroy();
   // Stops in-flight work and frees the communicator without waiting for any peer (after an
-  // error, a hang, or at interpreter exit); it cannot be used afterwards.
+  // error, a hang, or at interpreter exit); it cannot be used afterwards. A destroy() still
+  // waiting on another thread (for the peers' finalize) stops waiting and aborts.
   void abort();
   bool alive() const { return comm_ != nullptr && !failed_; }
   // Why the watchdog aborted the communicator; "" while it is usable.
@@ -76,8 +77,8 @@ class NcclCommunicator final : public Communicator {
   class Enqueue;  // holds call_mu_ while a call is enqueued (nccl_comm.cpp)
   class Group;    // ncclGroupStart/End
 
-  // Polls ncclCommGetAsyncError until comm_ leaves ncclInProgress or `deadline` passes;
-  // returns the last state (ncclInProgress when the deadline passed).
+  // Polls ncclCommGetAsyncError until comm_ leaves ncclInProgress or `deadline` passes (or
+  // abort() is called); returns the last state (ncclInProgress when it stopped waiting).
   nccl::ncclResult_t wait_settled(std::chrono::steady_clock::time_point deadline) const;
   // The result of an NCCL call on comm_ (call_mu_ held): ncclInProgress is polled until it
   // settles; an error or the timeout marks the communicator failed and throws (Enqueue's
@@ -121,6 +122,10 @@ class NcclCommunicator final : public Communicator {
   std::atomic<bool> failed_{false};  // comm_ failed (failure_ says why); it is, or is about to be, aborted
   bool aborted_ = false;             // ncclCommAbort was called (call_mu_)
   bool stop_ = false;
+  std::atomic<bool> abandoned_{false};  // abort() was called: wait_settled stops waiting
+  // destroy() and abort() may stop the watchdog from two threads; never taken with call_mu_
+  // or mu_ held (stop_watchdog() runs before either).
+  std::mutex stop_mu_;
   std::thread watchdog_;
 };
 
