@@ -7,9 +7,12 @@ themselves are stand-ins here; test_nccl.py runs real ones on a GPU."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import types
 from datetime import timedelta
 
@@ -57,6 +60,52 @@ def test_close_destroys_nccl_communicators_in_the_same_order_on_every_rank():
         assert left == 0, "destroyed communicators must leave the exit-abort registry"
         assert refused, "a closed group's sub-group must refuse to hand out a communicator"
 
+
+
+class BlockingComm:
+    """destroy() waits (as a finalize waits for peers that still hold their Group) until
+    `release` is set, and logs the thread it ran on."""
+
+    def __init__(self, log, release):
+        self.log, self.release = log, release
+
+    def destroy(self):
+        self.log.append(threading.current_thread().name)
+        self.release.wait(30)
+
+    def abort(self):
+        self.log.append("abort")
+
+
+def _dropped_group_worker(rank, world):
+    g = qcoll.new_group(node_size=2)
+    log, release = [], threading.Event()
+    comms = [BlockingComm(log, release) for _ in ("group", "intra", "inter")]
+    for sub, comm in zip((g, g.intra, g.inter), comms):  # as the communicators' creation does
+        sub._nccl_comm = comm
+        sub._nccl_to_release.append(comm)
+        _nccl._live_comms.add(comm)
+    _nccl._start_release_thread()
+    start = time.monotonic()
+    del g, sub
+    gc.collect()
+    dropped = time.monotonic() - start
+    while len(log) < 3 and time.monotonic() - start < 10:
+        time.sleep(0.01)
+    release.set()
+    while any(c in _nccl._live_comms for c in comms) and time.monotonic() - start < 10:
+        time.sleep(0.01)
+    return dropped, log, sum(c in _nccl._live_comms for c in comms)
+
+
+def test_a_dropped_group_destroys_its_communicators_without_waiting_for_them():
+    """Dropped without close(), a Group's NCCL communicators are destroyed on threads of
+    their own, all at once: their finalize waits for the peers, which drop theirs when
+    they do (or never), and must not hold up the thread that dropped the Group."""
+    for dropped, log, left in run_ranks(4, _dropped_group_worker, timeout=60):
+        assert dropped < 2.0, dropped  # each destroy blocks until released (30 s)
+        assert log == ["qcoll-nccl-destroy"] * 3, log  # concurrently, none on the dropping thread
+        assert left == 0, "destroyed communicators must leave the exit-abort registry"
 
 def test_interpreter_exit_aborts_live_communicators_instead_of_destroying_them(tmp_path):
     log_path = tmp_path / "log.txt"

@@ -394,7 +394,7 @@ def test_group_close_destroys_communicators_before_releasing_cuda_calls(monkeypa
 
     def member(name):
         return types.SimpleNamespace(_closed=False, _nccl_comm=name, _owned_pg=None, _gather_pg=None,
-                                     _transport=None, _cpu_workspace=None)
+                                     _transport=None, _cpu_workspace=None, _nccl_to_release=[name])
 
     group = member("own")
     group.__dict__.update(_intra=member("intra"), _inter=member("inter"),
@@ -402,6 +402,8 @@ def test_group_close_destroys_communicators_before_releasing_cuda_calls(monkeypa
                           _cuda=Calls())
     Group.close(group)
     assert order == ["cpu queue", "intra", "inter", "own", "cuda streams"]
+    # Destroyed, so not released again when the Groups are dropped.
+    assert [g._nccl_to_release for g in (group._intra, group._inter, group)] == [[], [], []]
 
 
 def test_debug_check_is_skipped_while_capturing(monkeypatch):

@@ -7,6 +7,7 @@ the SIMT emulator. Ranks are processes (virtual_gpu.py, scenarios in vgpu_scenar
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import pytest
 
@@ -87,6 +88,27 @@ def test_a_group_dropped_with_a_call_in_flight_keeps_its_memory():
     for _ in range(3):
         assert run_virtual(2, "exit_with_live_communicators", False, timeout=90) == ["exiting"] * 2
 
+
+
+def test_dropping_a_group_never_waits_for_the_peers():
+    timeout_s = 20.0
+    results = run_virtual(2, "dropped_while_a_peer_keeps_it", timeout_s, timeout=120)
+    assert results[0]["dropped_s"] < 2.0, results  # was the whole timeout, then an abort
+    for r in results:
+        # Destroyed and freed once both dropped (finalize met the peer), not aborted at the
+        # timeout, and gone from the registry that aborts at exit.
+        assert r["freed"] and r["freed_s"] < timeout_s / 2 and r["live"] == 0, results
+
+
+def test_exit_ends_a_release_still_waiting_for_its_peers():
+    timeout_s = 30.0
+    ended = run_virtual(2, "exit_while_a_release_waits", timeout_s, timeout=120)
+    assert time.time() - max(ended) < timeout_s / 2  # the exits, not held up until the timeout
+
+
+def test_a_kept_sub_group_works_after_its_parent_is_dropped():
+    for r in run_virtual(4, "sub_group_outlives_its_parent", timeout=120):
+        assert r["dropped_s"] < 2.0 and r["freed"] and r["freed_s"] < 15, r
 
 def test_ddp_fsdp2_and_zero_train_the_same_bits_over_the_nccl_driver():
     # Each rank compared its losses and parameters with the gloo run's, bit for bit.

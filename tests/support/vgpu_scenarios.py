@@ -283,6 +283,91 @@ def exit_with_live_communicators(rank: int, world: int, keep: bool = True) -> st
     return "exiting"
 
 
+
+def dropped_while_a_peer_keeps_it(rank: int, world: int, timeout_s: float) -> dict:
+    """Rank 0 drops its Group (no close()) while rank 1 still holds its own, which it drops
+    only after a barrier that rank 0 reaches after its drop. The drop must not wait for
+    rank 1 (ncclCommFinalize meets the other members: done on the dropping thread, it
+    waited out the timeout, then aborted); the communicator is then destroyed and freed once
+    rank 1 drops too, long before the timeout."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    _check_setup()
+    ours, _ = _groups(2, timeout_s)
+    qcoll.quantized_allgather(torch.empty(world * 100), torch.randn(100), ours)
+    comms = [weakref.ref(c) for c in _comms(ours)]  # no reference that keeps them alive
+    assert comms
+    dropped = None
+    if rank == 0:
+        start = time.monotonic()
+        del ours
+        gc.collect()
+        dropped = time.monotonic() - start
+    dist.barrier()
+    if rank != 0:
+        del ours
+        gc.collect()
+    start = time.monotonic()
+    while any(c() is not None for c in comms) and time.monotonic() - start < timeout_s:
+        time.sleep(0.01)
+    return {"dropped_s": dropped, "freed_s": time.monotonic() - start,
+            "freed": all(c() is None for c in comms), "live": len(_nccl._live_comms)}
+
+
+def exit_while_a_release_waits(rank: int, world: int, timeout_s: float) -> float:
+    """Rank 0 drops its Group while rank 1 keeps its own until it exits: rank 0's release
+    thread waits in the finalize for a peer that never comes, and the abort at rank 0's
+    exit must end that wait at once, not at the timeout. Returns when the scenario ended
+    (time.time()), so the test times the exit alone."""
+    import gc
+
+    _check_setup()
+    ours, _ = _groups(2, timeout_s)
+    qcoll.quantized_allgather(torch.empty(world * 100), torch.randn(100), ours)
+    if rank == 0:
+        del ours
+        gc.collect()
+        time.sleep(0.5)  # the release is waiting in ncclCommFinalize now
+    else:
+        _KEPT.append(ours)
+    return time.time()
+
+
+def sub_group_outlives_its_parent(rank: int, world: int) -> dict:
+    """A sub-group kept after its parent Group is dropped still runs on its own NCCL
+    communicator; dropped in turn, it releases that communicator without waiting."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    _check_setup()
+    ours, _ = _groups(2)
+    sub = ours.intra
+    n = 100
+    out = torch.empty(sub.size * n)
+    qcoll.quantized_allgather(out, torch.full((n,), float(rank)), sub, bits=None)
+    del ours
+    gc.collect()
+    time.sleep(0.2)  # a wrong release of the sub-group's communicator would have begun
+    x = torch.full((n,), float(rank + 1))
+    qcoll.quantized_allgather(out, x, sub, bits=None)
+    first = rank - sub.rank  # the node's first global rank
+    want = torch.cat([torch.full((n,), float(first + i + 1)) for i in range(sub.size)])
+    ref.assert_same_bits(out, want, "all-gather on the kept sub-group")
+    comm = weakref.ref(sub._nccl_comm)
+    dist.barrier()
+    start = time.monotonic()
+    del sub
+    gc.collect()
+    dropped = time.monotonic() - start
+    while comm() is not None and time.monotonic() - start < 30:
+        time.sleep(0.01)
+    return {"dropped_s": dropped, "freed_s": time.monotonic() - start, "freed": comm() is None}
+
 def _same_state(a: dict, b: dict, what: str) -> None:
     assert a.keys() == b.keys(), what
     for k in a:
