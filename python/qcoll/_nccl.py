@@ -88,11 +88,11 @@ def create_nccl_communicator(group, device: torch.device):
                            f"global ranks {group.global_ranks} ({where})")
     local = [p // group.node_size == group.node for p in range(group.size)]
     # The group's timeout bounds every NCCL call (the core's watchdog aborts past it).
+    _start_release_thread()  # first: a communicator must never be left without one
     comm = _C.NcclCommunicator(infos[0][1], group.rank, group.size, local, device.index or 0,
                                group.timeout.total_seconds())
     with _live_lock:
         _live_comms.add(comm)
-    _start_release_thread()
     return comm
 
 
@@ -116,13 +116,15 @@ def release_communicators(comms: list) -> None:
 
 
 def _start_release_thread() -> None:
-    """Started with the first communicator, outside any finalizer."""
+    """Started before each communicator is made (outside any finalizer) unless running:
+    again after a failed start, and in a forked child, which has no threads."""
     global _release_thread
     with _live_lock:
-        if _release_thread is None:
-            _release_thread = threading.Thread(target=_release_loop, daemon=True,
-                                               name="qcoll-nccl-release")
-            _release_thread.start()
+        if _release_thread is None or not _release_thread.is_alive():
+            thread = threading.Thread(target=_release_loop, daemon=True,
+                                      name="qcoll-nccl-release")
+            thread.start()
+            _release_thread = thread
 
 
 def _release_loop() -> None:

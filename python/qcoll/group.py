@@ -164,9 +164,10 @@ class Group:
                     if g._nccl_comm is not None:
                         from ._nccl import destroy_communicator
 
-                        comm, g._nccl_comm = g._nccl_comm, None
+                        destroy_communicator(g._nccl_comm)
+                        # Only now: had destroy raised, the finalizer would release it.
+                        g._nccl_comm = None
                         g._nccl_to_release.clear()
-                        destroy_communicator(comm)
                     for attr in ("_gather_pg", "_owned_pg"):
                         if getattr(g, attr) is not None:
                             dist.destroy_process_group(getattr(g, attr))
@@ -210,8 +211,9 @@ class Group:
             if self._nccl_comm is None:
                 from ._nccl import create_nccl_communicator
 
-                self._nccl_comm = create_nccl_communicator(self, device)
-                self._nccl_to_release.append(self._nccl_comm)
+                comm = create_nccl_communicator(self, device)
+                self._nccl_to_release.append(comm)  # first: never held by the Group alone
+                self._nccl_comm = comm
             return self._nccl_comm
         return self._torch_comm
 
