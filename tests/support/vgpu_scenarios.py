@@ -288,8 +288,9 @@ def dropped_while_a_peer_keeps_it(rank: int, world: int, timeout_s: float) -> di
     """Rank 0 drops its Group (no close()) while rank 1 still holds its own, which it drops
     only after a barrier that rank 0 reaches after its drop. The drop must not wait for
     rank 1 (ncclCommFinalize meets the other members: done on the dropping thread, it
-    waited out the timeout, then aborted); the communicator is then destroyed and freed once
-    rank 1 drops too, long before the timeout."""
+    waited out the timeout, then aborted); the communicator is then freed once rank 1
+    drops too, long before the timeout (the finalize met the peer: an abort comes only at
+    the timeout)."""
     import gc
     import weakref
 
@@ -337,8 +338,9 @@ def exit_while_a_release_waits(rank: int, world: int, timeout_s: float) -> float
 
 
 def sub_group_outlives_its_parent(rank: int, world: int) -> dict:
-    """A sub-group kept after its parent Group is dropped still runs on its own NCCL
-    communicator; dropped in turn, it releases that communicator without waiting."""
+    """The parent and its inter-node sub-group, both with NCCL communicators, are dropped
+    while the caller keeps the intra-node sub-group: their communicators are freed, the kept
+    one still runs calls on its own; dropped in turn, it releases that one without waiting."""
     import gc
     import weakref
 
@@ -348,13 +350,17 @@ def sub_group_outlives_its_parent(rank: int, world: int) -> dict:
     ours, _ = _groups(2)
     sub = ours.intra
     n = 100
-    out = torch.empty(sub.size * n)
-    qcoll.quantized_allgather(out, torch.full((n,), float(rank)), sub, bits=None)
-    del ours
+    for g in (ours, ours.inter, sub):
+        qcoll.quantized_allgather(torch.empty(g.size * n), torch.randn(n), g, bits=None)
+    released = [weakref.ref(g._nccl_comm) for g in (ours, ours.inter)]
+    del g, ours
     gc.collect()
-    time.sleep(0.2)  # a wrong release of the sub-group's communicator would have begun
-    x = torch.full((n,), float(rank + 1))
-    qcoll.quantized_allgather(out, x, sub, bits=None)
+    start = time.monotonic()
+    while any(c() is not None for c in released) and time.monotonic() - start < 30:
+        time.sleep(0.01)
+    parent_freed = not any(c() is not None for c in released)
+    out = torch.empty(sub.size * n)
+    qcoll.quantized_allgather(out, torch.full((n,), float(rank + 1)), sub, bits=None)
     first = rank - sub.rank  # the node's first global rank
     want = torch.cat([torch.full((n,), float(first + i + 1)) for i in range(sub.size)])
     ref.assert_same_bits(out, want, "all-gather on the kept sub-group")
@@ -366,7 +372,8 @@ def sub_group_outlives_its_parent(rank: int, world: int) -> dict:
     dropped = time.monotonic() - start
     while comm() is not None and time.monotonic() - start < 30:
         time.sleep(0.01)
-    return {"dropped_s": dropped, "freed_s": time.monotonic() - start, "freed": comm() is None}
+    return {"parent_freed": parent_freed, "dropped_s": dropped,
+            "freed_s": time.monotonic() - start, "freed": comm() is None}
 
 def _same_state(a: dict, b: dict, what: str) -> None:
     assert a.keys() == b.keys(), what
