@@ -7,7 +7,7 @@ Lifetime: communicators are created nonblocking and polled, so creation never wa
 the group's timeout (src/comm/nccl_comm.h). Group.close() / qcoll.destroy() destroy them in
 the same order on every rank (finalize may wait for the node's other members, at most the
 timeout, then aborts). A Group (or sub-group) dropped without close() hands its
-communicator to release_communicators, destroyed on a thread of its own: the ranks drop
+communicator to release_communicator, destroyed on a thread of its own: the ranks drop
 their Groups at different times (or never), and the thread that drops one must not wait
 for the others. Any communicator still alive at interpreter exit is aborted, never destroyed: a
 peer may already be gone (an abort also ends a release still waiting)."""
@@ -104,15 +104,13 @@ def destroy_communicator(comm) -> None:
     comm.destroy()
 
 
-def release_communicators(comms: list) -> None:
-    """A dropped Group's communicators (the list is emptied), from its finalizer: queued for
-    the release thread, which destroys each on a daemon thread of its own, so the thread
+def release_communicator(comm) -> None:
+    """A dropped Group's communicator, from its finalizer: queued for the release thread, which destroys each on a daemon thread of its own, so the thread
     that dropped the Group (the garbage collector's, perhaps) never waits and starts no
     thread. A finalize meets the other members' as they drop theirs; past the timeout (a
     member that keeps its Group, or died), it aborts. Concurrent, not in sequence: the
     ranks' drops need no common order."""
-    while comms:
-        _to_release.put(comms.pop())
+    _to_release.put(comm)
 
 
 def _start_release_thread() -> None:
@@ -140,9 +138,9 @@ def _release_loop() -> None:
 
 def _destroy_released(comm) -> None:
     try:
-        comm.destroy()
+        comm.destroy()  # aborts by itself when the finalize fails or does not settle
     except Exception:  # noqa: BLE001 - no caller is left to report to
-        _abort_released(comm)
+        pass
     finally:
         with _live_lock:
             _live_comms.discard(comm)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-import sys
 import threading
 import weakref
 from datetime import timedelta
@@ -30,11 +29,6 @@ from ._torch_transport import ProcessGroupTransport, SelfTransport, check_gather
 BACKENDS = ("nccl", "torch")
 _live_groups: "weakref.WeakSet[Group]" = weakref.WeakSet()  # for qcoll.destroy()
 _creation_order = itertools.count()
-
-
-def _release_communicators(comms: list) -> None:
-    if comms:  # only then is _nccl loaded (no import, from a finalizer, otherwise)
-        sys.modules["qcoll._nccl"].release_communicators(comms)
 
 
 class Group:
@@ -84,10 +78,7 @@ class Group:
         self._torch_comm = _C.TorchCommunicator(self.rank, self.size, local, transport)
         self._transport = transport
         self._nccl_comm = None
-        # The same communicator until close() destroys it, in a list this Group's finalizer
-        # holds: dropped without close(), the Group releases it (_nccl.py), never waiting.
-        self._nccl_to_release: list = []
-        weakref.finalize(self, _release_communicators, self._nccl_to_release).atexit = False
+        self._nccl_release = None  # hands _nccl_comm to _nccl's release if dropped unclosed
         self._nccl_usable = None  # backend=None: whether every member can use NCCL (agreed)
         self._cpu_workspace = None  # grow-only scratch of its CPU calls (_runtime/call.py)
         self._sequence = itertools.count()  # call numbers, stamped into the wire headers
@@ -167,7 +158,7 @@ class Group:
                         destroy_communicator(g._nccl_comm)
                         # Only now: had destroy raised, the finalizer would release it.
                         g._nccl_comm = None
-                        g._nccl_to_release.clear()
+                        g._nccl_release.detach()
                     for attr in ("_gather_pg", "_owned_pg"):
                         if getattr(g, attr) is not None:
                             dist.destroy_process_group(getattr(g, attr))
@@ -211,11 +202,19 @@ class Group:
             if self._nccl_comm is None:
                 from ._nccl import create_nccl_communicator
 
-                comm = create_nccl_communicator(self, device)
-                self._nccl_to_release.append(comm)  # first: never held by the Group alone
-                self._nccl_comm = comm
+                self._hold_nccl_comm(create_nccl_communicator(self, device))
             return self._nccl_comm
         return self._torch_comm
+
+    def _hold_nccl_comm(self, comm) -> None:
+        """Dropped without close(), this Group hands `comm` to a release thread (_nccl.py):
+        its destroy waits for the other ranks, which the dropping thread must not."""
+        from ._nccl import release_communicator
+
+        # Registered before the Group holds it: no drop destroys it on the dropping thread.
+        self._nccl_release = weakref.finalize(self, release_communicator, comm)
+        self._nccl_release.atexit = False  # at exit it is aborted (_nccl._abort_at_exit)
+        self._nccl_comm = comm
 
     def _use_nccl(self, device: torch.device) -> bool:
         if self.backend == "torch":

@@ -41,7 +41,7 @@ def _close_order_worker(rank, world):
     g = qcoll.new_group(node_size=2)  # 4 ranks: intra and inter are real sub-groups
     log = []
     for name, sub in (("group", g), ("intra", g.intra), ("inter", g.inter)):
-        sub._nccl_comm = FakeComm(name, log)
+        sub._hold_nccl_comm(FakeComm(name, log))  # as the communicators' creation does
         _nccl._live_comms.add(sub._nccl_comm)
     g.close()
     left = len(_nccl._live_comms)
@@ -82,8 +82,7 @@ def _dropped_group_worker(rank, world):
     log, release = [], threading.Event()
     comms = [BlockingComm(log, release) for _ in ("group", "intra", "inter")]
     for sub, comm in zip((g, g.intra, g.inter), comms):  # as the communicators' creation does
-        sub._nccl_comm = comm
-        sub._nccl_to_release.append(comm)
+        sub._hold_nccl_comm(comm)
         _nccl._live_comms.add(comm)
     _nccl._start_release_thread()
     start = time.monotonic()

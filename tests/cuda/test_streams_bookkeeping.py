@@ -394,16 +394,18 @@ def test_group_close_destroys_communicators_before_releasing_cuda_calls(monkeypa
 
     def member(name):
         return types.SimpleNamespace(_closed=False, _nccl_comm=name, _owned_pg=None, _gather_pg=None,
-                                     _transport=None, _cpu_workspace=None, _nccl_to_release=[name])
+                                     _transport=None, _cpu_workspace=None,
+                                     _nccl_release=types.SimpleNamespace(
+                                         detach=lambda: order.append(f"{name} detached")))
 
     group = member("own")
     group.__dict__.update(_intra=member("intra"), _inter=member("inter"),
                           _calls=types.SimpleNamespace(close=lambda: order.append("cpu queue")),
                           _cuda=Calls())
     Group.close(group)
-    assert order == ["cpu queue", "intra", "inter", "own", "cuda streams"]
-    # Destroyed, so not released again when the Groups are dropped.
-    assert [g._nccl_to_release for g in (group._intra, group._inter, group)] == [[], [], []]
+    # Each destroyed, then no longer released when its Group is dropped.
+    assert order == ["cpu queue", "intra", "intra detached", "inter", "inter detached", "own",
+                     "own detached", "cuda streams"]
 
 
 def test_debug_check_is_skipped_while_capturing(monkeypatch):
