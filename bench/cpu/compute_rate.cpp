@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
   std::vector<uint8_t> codes(n * 2); std::vector<float> scales(n), offs(n); std::vector<float> out(n);
   const char* fmts[] = {"int8", "int4", "fp8"}; CodeFormat cf[] = {CodeFormat::kInt8, CodeFormat::kInt4, CodeFormat::kFp8E4M3};
   struct Case { int f; int bf; int had; int sr; };
-  std::vector<Case> cases = {{0,0,0,0},{1,0,0,0},{2,0,0,0},{0,1,0,0},{1,1,0,0},{2,1,0,0},{0,0,256,0},{1,1,256,0},{2,0,256,0},{0,0,0,1},{0,1,0,1},{2,0,0,1}};
+  std::vector<Case> cases = {{0,0,0,0},{1,0,0,0},{2,0,0,0},{0,1,0,0},{1,1,0,0},{2,1,0,0},{0,0,256,0},{1,0,256,0},{1,1,256,0},{2,0,256,0},{0,0,0,1},{0,1,0,1},{2,0,0,1}};
   for (auto c : cases) {
     QuantizeArgs a; a.input = c.bf ? (void*)xb.data() : (void*)x.data(); a.dtype = c.bf ? DType::kBFloat16 : DType::kFloat32; a.n = n;
     a.spec.format = cf[c.f]; a.spec.group_size = 256; a.spec.symmetric = true; a.spec.hadamard_size = c.had;

@@ -265,13 +265,17 @@ QCOLL_INLINE void store_vec(float* p, V v) { std::memcpy(p, &v, sizeof v); }
 
 // The stage of stride kStride (below the vector's width) of the transform on one vector, as
 // a shuffle and adds: each lane gets mine + partner (lower) or partner - mine (upper), the
-// operations of math::hadamard8 / math::butterfly.
+// operations of math::hadamard8 / math::butterfly. partner - mine is computed as
+// partner + (-mine), mine's sign bit flipped: IEEE defines subtraction so (same bits, zeros'
+// signs included; only a NaN's sign may differ, and every NaN is canonicalized or makes its
+// group non-finite). One add and a flip instead of an add, a subtract and a blend: the
+// transform 1.25x faster on AVX-512 (bench/results/hadamard-stage-cpu.txt).
 template <int kStride, typename V, typename I, int... kLane>
 QCOLL_INLINE V hadamard_stage(V v, std::integer_sequence<int, kLane...>) {
   constexpr I partner = {(kLane ^ kStride)...};
-  constexpr I upper = {(kLane & kStride)...};
+  constexpr I upper_sign = {((kLane & kStride) ? INT32_MIN : 0)...};
   const V w = __builtin_shuffle(v, partner);
-  return upper != 0 ? w - v : v + w;
+  return w + reinterpret_cast<V>(reinterpret_cast<I>(v) ^ upper_sign);
 }
 template <int kStride, typename V, typename I>
 QCOLL_INLINE V hadamard_stage(V v) {
