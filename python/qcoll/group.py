@@ -31,6 +31,33 @@ _live_groups: "weakref.WeakSet[Group]" = weakref.WeakSet()  # for qcoll.destroy(
 _creation_order = itertools.count()
 
 
+class _Family:
+    """What a Group shares with its sub-groups: the worker thread that runs their CPU calls
+    and their CUDA streams. It outlives any one of them: a sub-group kept after its parent
+    was dropped goes on calling. When the last of them is dropped (close() stops it at
+    once), the worker stops, not at interpreter exit (a call blocked on a dead peer must not
+    hold exit up), and calls still running on the GPU keep their memory (streams.py)."""
+
+    def __init__(self, name: str, max_threads: int):
+        self.calls = CallQueue(name, max_threads)
+        self.cuda = CudaCalls()
+        self._members = 0
+        self._lock = threading.Lock()
+
+    def join(self, group: "Group") -> None:
+        with self._lock:
+            self._members += 1
+        weakref.finalize(group, self._leave).atexit = False  # holds no reference to group
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._members -= 1
+            if self._members:
+                return
+        self.calls.close()
+        self.cuda.orphan()
+
+
 class Group:
     """Ranks 0..size-1 of a ProcessGroup, node k holding ranks [k*node_size, (k+1)*node_size).
 
@@ -40,7 +67,7 @@ class Group:
 
     def __init__(self, pg, node_size: int, backend: Optional[str], *, timeout: timedelta,
                  _singleton: bool = False, _owned_pg=None, _role: str = "group",
-                 _family: Optional[tuple] = None, _host_ranks: int = 1):
+                 _family: Optional[_Family] = None, _host_ranks: int = 1):
         self.pg = pg  # the caller's, or for a sub-group qcoll's own (QCOLL_DEBUG checks, NCCL setup)
         self.backend = backend
         self.node_size = node_size
@@ -59,8 +86,10 @@ class Group:
         # stream). Only the call runtime (qcoll._runtime) uses them.
         if _family is None:  # kernels use at most this rank's share of its host's cores
             share = len(os.sched_getaffinity(0)) // max(1, _host_ranks)
-            _family = (CallQueue(f"qcoll-group-{self.global_ranks}", share), CudaCalls())
-        self._calls, self._cuda = _family
+            _family = _Family(f"qcoll-group-{self.global_ranks}", share)
+        _family.join(self)
+        self._family = _family
+        self._calls, self._cuda = _family.calls, _family.cuda
         # The ProcessGroup qcoll communicates over: its own, never the caller's.
         if self.size > 1 and _owned_pg is None:
             _owned_pg = _partition_groups([self.global_ranks], timeout)[0]
@@ -87,12 +116,7 @@ class Group:
         self._inter: Optional[Group] = None
         self._closed = False
         self._created = next(_creation_order)
-        if _role == "group":  # a dropped Group stops its thread (sub-groups share it)
-            # Not at interpreter exit: a call blocked on a dead peer must not hold exit up.
-            weakref.finalize(self, self._calls.close).atexit = False
-            # Nor block: calls still running on the GPU keep their memory (streams.py).
-            weakref.finalize(self, self._cuda.orphan).atexit = False
-            _live_groups.add(self)
+        _live_groups.add(self)  # sub-groups too: one kept after its parent was dropped
 
     def _next_sequence(self) -> int:
         with self._sequence_lock:
@@ -123,7 +147,7 @@ class Group:
         columns = [self.global_ranks[j::n] for j in range(n)]
         intra = _partition_groups(nodes, self.timeout)[self.node]
         inter = _partition_groups(columns, self.timeout)[self.local_rank]
-        family = (self._calls, self._cuda)
+        family = self._family
         if self._intra is None and self.num_nodes > 1:
             self._intra = _subgroup(intra, nodes[self.node], n, self.backend, self.timeout,
                                     family, "intra-node group")
@@ -247,7 +271,7 @@ def _partition_groups(blocks: list, timeout: Optional[timedelta] = None) -> list
 
 
 def _subgroup(pg, ranks, node_size: int, backend, timeout: Optional[timedelta] = None,
-              family: Optional[tuple] = None, role: str = "group") -> Group:
+              family: Optional[_Family] = None, role: str = "group") -> Group:
     """A Group over `pg`, a ProcessGroup qcoll created (it is not cloned again); a
     singleton Group for one rank."""
     timeout = timeout if timeout is not None else pg_timeout(pg)
@@ -393,7 +417,8 @@ _default_groups = {}
 
 
 def destroy() -> None:
-    """Close every qcoll.Group of this process (see Group.close), in creation order, forget
+    """Close every qcoll.Group of this process (see Group.close), in creation order (a
+    sub-group kept after its parent was dropped too), forget
     the Groups made for plain ProcessGroups, and destroy the ProcessGroups of Groups dropped
     without close(). Collective, like Group.close."""
     groups = sorted(_live_groups, key=lambda g: g._created)  # before the cache lets any go

@@ -7,6 +7,7 @@ behind. The whole world's groups, made and destroyed the same way, too."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from datetime import timedelta
@@ -106,6 +107,32 @@ def _world_worker(rank, world):
     return ROUNDS
 
 
+def _kept_sub_group_worker(rank, world):
+    # `qcoll.new_group(...).intra`: the parent is dropped at once, the caller keeps its
+    # sub-group (the CPU calls had ended with the parent's worker thread: "the group was closed").
+    baseline = []
+    _check_destroyed("before", baseline)
+    intra = qcoll.new_group(node_size=2, timeout=TIMEOUT).intra
+    inter = qcoll.new_group(node_size=2, timeout=TIMEOUT).inter
+    gc.collect()
+    for round_ in range(2):  # the second round's calls go through the families' worker threads
+        for g in (intra, inter):
+            work = qcoll.quantized_allgather(torch.empty(g.size * N), torch.ones(N), g, async_op=True)
+            _check_round(g, g.global_ranks, g.node_size, ("kept", g._role, round_))
+            work.wait()
+    workers = (intra._calls, inter._calls)
+    assert not any(w._closed for w in workers)
+    del g, work, inter  # the last of its family: its worker stops, the other family's goes on
+    gc.collect()
+    assert workers[1]._closed and not workers[0]._closed
+    _check_round(intra, intra.global_ranks, 2, ("kept after the other family", 0))
+    qcoll.destroy()  # closes the kept sub-group too, and the ProcessGroups of all four Groups
+    assert intra._closed and workers[0]._closed
+    del intra
+    _check_destroyed("after", baseline)
+    return True
+
+
 HOSTS = {r: {"QCOLL_HOST_ID": f"host{r // 2}"} for r in range(6)}  # nodes of 2 ranks
 
 
@@ -116,6 +143,10 @@ def test_sub_groups_are_recreated_after_destroy():
 
 def test_world_groups_are_recreated_after_destroy():
     assert run_ranks(4, _world_worker, env=HOSTS, timeout=150) == [ROUNDS] * 4
+
+
+def test_a_kept_sub_group_outlives_its_dropped_parent_until_destroy():
+    assert run_ranks(4, _kept_sub_group_worker, env=HOSTS, timeout=150) == [True] * 4
 
 
 def _fallback_worker(rank, world):

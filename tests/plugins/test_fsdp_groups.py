@@ -29,7 +29,7 @@ def _groups_worker(rank, world):
     losses, _ = _train(model, 2, rank, world)
     post_forward = {id(g.post_forward_mesh_info.shard_process_group) for m in model.modules()
                     if isinstance(m, qcoll.fsdp.FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups}
-    live = [len(g.global_ranks) for g in groups._live_groups if not g._closed]
+    live = [len(g.global_ranks) for g in groups._live_groups if g._role == "group" and not g._closed]
     return len(post_forward), sorted(live), losses
 
 
