@@ -267,7 +267,7 @@ QCOLL_INLINE void store_vec(float* p, V v) { std::memcpy(p, &v, sizeof v); }
 // a shuffle and adds: each lane gets mine + partner (lower) or partner - mine (upper), the
 // operations of math::hadamard8 / math::butterfly. partner - mine is computed as
 // partner + (-mine), mine's sign bit flipped: IEEE defines subtraction so (same bits, zeros'
-// signs included; only a NaN's sign may differ, and every NaN is canonicalized or makes its
+// signs included; only a NaN's bits may differ, and every NaN is canonicalized or makes its
 // group non-finite). One add and a flip instead of an add, a subtract and a blend: the
 // transform 1.25x faster on AVX-512 (bench/results/hadamard-stage-cpu.txt).
 template <int kStride, typename V, typename I, int... kLane>
@@ -282,57 +282,72 @@ QCOLL_INLINE V hadamard_stage(V v) {
   return hadamard_stage<kStride, V, I>(v, std::make_integer_sequence<int, sizeof(V) / 4>{});
 }
 
-// One block of kSize (16 to 256) elements of src, transformed into dst (which may be src):
-// the whole block in kSize / 16 vectors of 16 floats (registers with AVX-512), the stages
-// within a vector as shuffles, the others between vectors, then the norm; quant_math.h's
-// operations in its stage order, so bit-identical to any other schedule.
-template <int kSize>
-QCOLL_INLINE void hadamard_block16(const float* src, float* dst, float norm) {
-  constexpr int kV = kSize / 16;
-  Vec16f r[kV];
-#pragma GCC unroll 16
-  for (int v = 0; v < kV; ++v) {
-    const Vec16f x = load_vec<Vec16f>(src + 16 * v);
-    r[v] = hadamard_stage<8, Vec16f, Vec16i>(hadamard_stage<4, Vec16f, Vec16i>(
-        hadamard_stage<2, Vec16f, Vec16i>(hadamard_stage<1, Vec16f, Vec16i>(x))));
-  }
+// The stages of strides 1 to kLanes / 2 on one vector of kLanes floats.
+template <typename V, typename I>
+QCOLL_INLINE V hadamard_in_vector(V v) {
+  v = hadamard_stage<4, V, I>(hadamard_stage<2, V, I>(hadamard_stage<1, V, I>(v)));
+  if constexpr (sizeof(V) == 64) v = hadamard_stage<8, V, I>(v);
+  return v;
+}
+
+// The stages between the kV vectors of r, vector strides 1 to kV / 2, in that order.
+template <typename V, int kV>
+QCOLL_INLINE void hadamard_across(V (&r)[kV]) {
 #pragma GCC unroll 16
   for (int s = 1; s < kV; s *= 2)
 #pragma GCC unroll 16
     for (int j = 0; j < kV; ++j)
       if (!(j & s)) {
-        const Vec16f lo = r[j], hi = r[j + s];
+        const V lo = r[j], hi = r[j + s];
         r[j] = lo + hi;
         r[j + s] = lo - hi;
       }
-#pragma GCC unroll 16
-  for (int v = 0; v < kV; ++v) store_vec(dst + 16 * v, r[v] * norm);
 }
 
-// The whole blocks of kSize elements among src[0, m) into x. 16-float vectors (kLanes 16,
-// the AVX-512 path): each block in registers as above. 8-float vectors (the AVX2 and
-// baseline paths, whose registers cannot hold a block of 256): a pass per cross-packet
-// stage, the norm folded into the last one.
+// One block of kSize elements of src (a multiple of the vector's width), transformed into
+// dst (which may be src), with kRegs vectors held in registers at a time: each run of
+// kRegs vectors through every stage within it, the stages within a vector as shuffles, the
+// others between vectors; then, for a block longer than a run, the stages between runs, on
+// the vectors at the same place of each run, and the norm. quant_math.h's operations in
+// its stage order, so bit-identical to any other schedule. AVX-512 (16 vectors of 16) holds
+// a whole block of 256, AVX2 (8 of 8) a run of 64: two passes over a block, not one a stage.
+template <typename V, typename I, int kRegs, int kSize>
+QCOLL_INLINE void hadamard_block(const float* src, float* dst, float norm) {
+  constexpr int kLanes = static_cast<int>(sizeof(V) / 4);
+  constexpr int kRun = kSize < kRegs * kLanes ? kSize : kRegs * kLanes;  // floats in registers
+  constexpr int kV = kRun / kLanes, kRuns = kSize / kRun;
+#pragma GCC unroll 4
+  for (int b = 0; b < kSize; b += kRun) {
+    V r[kV];
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) r[v] = hadamard_in_vector<V, I>(load_vec<V>(src + b + kLanes * v));
+    hadamard_across(r);
+#pragma GCC unroll 16
+    for (int v = 0; v < kV; ++v) store_vec(dst + b + kLanes * v, kRuns == 1 ? r[v] * norm : r[v]);
+  }
+  if constexpr (kRuns > 1) {
+#pragma GCC unroll 8
+    for (int c = 0; c < kRun; c += kLanes) {
+      V r[kRuns];
+#pragma GCC unroll 4
+      for (int i = 0; i < kRuns; ++i) r[i] = load_vec<V>(dst + c + kRun * i);
+      hadamard_across(r);
+#pragma GCC unroll 4
+      for (int i = 0; i < kRuns; ++i) store_vec(dst + c + kRun * i, r[i] * norm);
+    }
+  }
+}
+
+// The whole blocks of kSize elements among src[0, m) into x: 16-float vectors on the
+// AVX-512 path (kLanes 16) from blocks of 16, else 8-float vectors (the AVX2 and baseline
+// paths, 8 registers of 8 floats; also AVX-512's blocks of 8).
 template <int kLanes, int kSize>
 QCOLL_INLINE void hadamard_whole(const float* src, float* x, int64_t m, float norm) {
-  if constexpr (kLanes == 16 && kSize >= 16) {
-    for (int64_t i = 0; i < m; i += kSize) hadamard_block16<kSize>(src + i, x + i, norm);
-  } else {
-    const float first = kSize == 8 ? norm : 1.0f;  // the norm in the last stage
-    for (int64_t i = 0; i < m; i += 8) {
-      const Vec8f v = hadamard_stage<4, Vec8f, Vec8i>(hadamard_stage<2, Vec8f, Vec8i>(
-          hadamard_stage<1, Vec8f, Vec8i>(load_vec<Vec8f>(src + i))));
-      store_vec(x + i, kSize == 8 ? v * first : v);
-    }
-    for (int64_t s = 8; s < kSize; s *= 2) {
-      const bool last = 2 * s == kSize;
-      for (int64_t b = 0; b < m; b += 2 * s)
-        for (int64_t j = b; j < b + s; j += 8) {
-          const Vec8f lo = load_vec<Vec8f>(x + j), hi = load_vec<Vec8f>(x + j + s);
-          store_vec(x + j, last ? (lo + hi) * norm : lo + hi);
-          store_vec(x + j + s, last ? (lo - hi) * norm : lo - hi);
-        }
-    }
+  for (int64_t i = 0; i < m; i += kSize) {
+    if constexpr (kLanes == 16 && kSize >= 16)
+      hadamard_block<Vec16f, Vec16i, 16, kSize>(src + i, x + i, norm);
+    else
+      hadamard_block<Vec8f, Vec8i, 8, kSize>(src + i, x + i, norm);
   }
 }
 

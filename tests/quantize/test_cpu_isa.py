@@ -1,7 +1,7 @@
 """The CPU kernels' ISA paths (baseline, avx2, avx512; src/cpu/isa.h) give the same bytes.
 
 Each path the CPU has is forced in turn and compared bit for bit with the baseline path on
-quantize (every format, symmetric and not, nearest and stochastic, Hadamard), dequantize and
+quantize (every format, symmetric and not, nearest and stochastic, Hadamard of every size), dequantize and
 the wire encode; the inputs include values a few ulps from rounding ties, where the
 reciprocal fast path must hand over to division (checked against torch's own division).
 fp8 decodes by its bit assembly on the AVX-512 path and by a table on the others: every
@@ -17,6 +17,9 @@ from tests.support import reference as ref
 
 _ALL = ("baseline", "avx2", "avx512")
 PATHS = _ALL[: _ALL.index(_C.cpu_isa_best()) + 1]  # every path this CPU has
+# Every transform size: the paths hold a block in registers differently (AVX-512 whole,
+# AVX2 and baseline in runs of 64 and then across runs).
+HADAMARD = [{"hadamard": True, "hadamard_size": size} for size in (8, 16, 32, 64, 128, 256)]
 
 
 @pytest.fixture
@@ -52,7 +55,7 @@ def _results(x, dtype):
     xs = x.to(dtype)
     for bits in (8, 4, "fp8_e4m3"):
         for sym in (True, False) if bits != "fp8_e4m3" else (True,):
-            for kw in ({}, {"rounding": "stochastic", "seed": 3}, {"hadamard": True}):
+            for kw in ({}, {"rounding": "stochastic", "seed": 3}, *HADAMARD):
                 q = qcoll.quantize(xs, bits=bits, symmetric=sym, **kw)
                 out += [q.data.clone(), q.scales.clone(), qcoll.dequantize(q)]
     return out
