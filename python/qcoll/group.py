@@ -31,31 +31,50 @@ _live_groups: "weakref.WeakSet[Group]" = weakref.WeakSet()  # for qcoll.destroy(
 _creation_order = itertools.count()
 
 
+class _Member:
+    """A Group's place in its family: open until the Group is closed or dropped."""
+
+    __slots__ = ("open",)
+
+    def __init__(self):
+        self.open = True
+
+
 class _Family:
     """What a Group shares with its sub-groups: the worker thread that runs their CPU calls
-    and their CUDA streams. It outlives any one of them: a sub-group kept after its parent
-    was dropped goes on calling. When the last of them is dropped (close() stops it at
-    once), the worker stops, not at interpreter exit (a call blocked on a dead peer must not
-    hold exit up), and calls still running on the GPU keep their memory (streams.py)."""
+    and their CUDA streams. They run while any member is open (alive and not closed): a
+    sub-group kept after its parent was dropped goes on calling, and closing one member
+    leaves the others working. When the last open member is closed, Group.close() stops
+    them; when it is dropped, the worker stops, not at interpreter exit (a call blocked on a
+    dead peer must not hold exit up), and calls still running on the GPU keep their memory
+    (streams.py)."""
 
     def __init__(self, name: str, max_threads: int):
         self.calls = CallQueue(name, max_threads)
         self.cuda = CudaCalls()
-        self._members = 0
+        self._open = 0
         self._lock = threading.Lock()
 
-    def join(self, group: "Group") -> None:
+    def join(self, group: "Group") -> _Member:
+        member = _Member()
         with self._lock:
-            self._members += 1
-        weakref.finalize(group, self._leave).atexit = False  # holds no reference to group
+            self._open += 1
+        weakref.finalize(group, self._dropped, member).atexit = False  # no reference to group
+        return member
 
-    def _leave(self) -> None:
+    def leave(self, member: _Member) -> bool:
+        """The member no longer takes calls; whether it was the last open one."""
         with self._lock:
-            self._members -= 1
-            if self._members:
-                return
-        self.calls.close()
-        self.cuda.orphan()
+            if not member.open:
+                return False
+            member.open = False
+            self._open -= 1
+            return self._open == 0
+
+    def _dropped(self, member: _Member) -> None:
+        if self.leave(member):
+            self.calls.close()
+            self.cuda.orphan()
 
 
 class Group:
@@ -87,7 +106,7 @@ class Group:
         if _family is None:  # kernels use at most this rank's share of its host's cores
             share = len(os.sched_getaffinity(0)) // max(1, _host_ranks)
             _family = _Family(f"qcoll-group-{self.global_ranks}", share)
-        _family.join(self)
+        self._member = _family.join(self)
         self._family = _family
         self._calls, self._cuda = _family.calls, _family.cuda
         # The ProcessGroup qcoll communicates over: its own, never the caller's.
@@ -157,20 +176,28 @@ class Group:
 
     # ---- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
-        """Finish the calls in flight, stop the worker thread and destroy the NCCL
-        communicators and ProcessGroups this Group created (its sub-groups' too: intra, inter,
-        then its own, so every rank destroys them in the same order). Destroying an NCCL
-        communicator first lets its queued GPU work finish, within the group's timeout (past
-        it, or after an error, the communicator is aborted instead); then the host waits for
-        the family's CUDA streams and the tensors of calls never waited are released. Collective: every member
-        calls it, in the same order relative to other groups. The Group cannot be used
-        afterwards."""
+        """Finish the calls in flight and destroy the NCCL communicators and ProcessGroups
+        this Group created (its sub-groups' too: intra, inter, then its own, so every rank
+        destroys them in the same order). Destroying an NCCL communicator first lets its
+        queued GPU work finish, within the group's timeout (past it, or after an error, the
+        communicator is aborted instead). The worker thread and CUDA streams it shares with
+        its family stop with the family's last open member (a sub-group closed alone leaves
+        its parent working): the host then waits for the streams and the tensors of calls
+        never waited are released. Collective: every member calls it, in the same order
+        relative to other groups. The Group cannot be used afterwards."""
         if self._closed:
             return
-        self._calls.close()
+        closing = [g for g in (self._intra, self._inter, self) if g is not None and not g._closed]
+        # The family's last open member stops its worker; otherwise the worker runs on for
+        # the others once the calls queued so far (this Group's among them) have run.
+        last = any([self._family.leave(g._member) for g in closing])
+        if last:
+            self._calls.close()
+        else:
+            self._calls.drain()
         try:
-            for g in (self._intra, self._inter, self):
-                if g is not None and not g._closed:
+            for g in closing:
+                if not g._closed:
                     g._closed = True
                     g._cpu_workspace = None  # the memory kept for the next call
                     release = getattr(g._transport, "release_buffers", None)
@@ -190,7 +217,8 @@ class Group:
         finally:
             # Only now, with the communicators' GPU work finished or aborted: the host waits
             # for the family's streams, then the memory of un-waited calls is dropped.
-            self._cuda.close()
+            if last:
+                self._cuda.close()
 
     # ---- transports --------------------------------------------------------------------
     @property

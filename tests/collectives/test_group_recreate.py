@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import weakref
 from datetime import timedelta
 
 import torch
@@ -109,26 +110,33 @@ def _world_worker(rank, world):
 
 def _kept_sub_group_worker(rank, world):
     # `qcoll.new_group(...).intra`: the parent is dropped at once, the caller keeps its
-    # sub-group (the CPU calls had ended with the parent's worker thread: "the group was closed").
+    # sub-groups (their CPU calls had ended with the parent's worker thread: "the group was
+    # closed"); closing one of them leaves the other working (it had stopped their worker).
     baseline = []
     _check_destroyed("before", baseline)
-    intra = qcoll.new_group(node_size=2, timeout=TIMEOUT).intra
-    inter = qcoll.new_group(node_size=2, timeout=TIMEOUT).inter
+    parent = qcoll.new_group(node_size=2, timeout=TIMEOUT)
+    intra, inter, dropped = parent.intra, parent.inter, weakref.ref(parent)
+    other = qcoll.new_group(node_size=2, timeout=TIMEOUT).inter  # alone in its family
+    del parent
     gc.collect()
+    assert dropped() is None and intra._family is inter._family and intra._family._open == 2
     for round_ in range(2):  # the second round's calls go through the families' worker threads
-        for g in (intra, inter):
+        for g in (intra, inter, other):
             work = qcoll.quantized_allgather(torch.empty(g.size * N), torch.ones(N), g, async_op=True)
             _check_round(g, g.global_ranks, g.node_size, ("kept", g._role, round_))
             work.wait()
-    workers = (intra._calls, inter._calls)
-    assert not any(w._closed for w in workers)
-    del g, work, inter  # the last of its family: its worker stops, the other family's goes on
+    del g, work
+    intra.close()
+    workers = (inter._calls, other._calls)
+    assert not workers[0]._closed
+    _check_round(inter, inter.global_ranks, 1, ("after its sibling was closed", 0))
+    del other  # the last of its family: its worker stops, the other family's goes on
     gc.collect()
     assert workers[1]._closed and not workers[0]._closed
-    _check_round(intra, intra.global_ranks, 2, ("kept after the other family", 0))
+    _check_round(inter, inter.global_ranks, 1, ("after the other family was dropped", 0))
     qcoll.destroy()  # closes the kept sub-group too, and the ProcessGroups of all four Groups
-    assert intra._closed and workers[0]._closed
-    del intra
+    assert inter._closed and workers[0]._closed
+    del intra, inter
     _check_destroyed("after", baseline)
     return True
 

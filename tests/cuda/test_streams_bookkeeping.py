@@ -394,18 +394,30 @@ def test_group_close_destroys_communicators_before_releasing_cuda_calls(monkeypa
 
     def member(name):
         return types.SimpleNamespace(_closed=False, _nccl_comm=name, _owned_pg=None, _gather_pg=None,
-                                     _transport=None, _cpu_workspace=None,
+                                     _transport=None, _cpu_workspace=None, _member=name,
                                      _nccl_release=types.SimpleNamespace(
                                          detach=lambda: order.append(f"{name} detached")))
 
-    group = member("own")
-    group.__dict__.update(_intra=member("intra"), _inter=member("inter"),
-                          _calls=types.SimpleNamespace(close=lambda: order.append("cpu queue")),
-                          _cuda=Calls())
+    def family_member(name, open_members):
+        g = member(name)
+        g.__dict__.update(_intra=None, _inter=None, _cuda=Calls(),
+                          _family=types.SimpleNamespace(leave=lambda m: open_members.remove(m) or not open_members),
+                          _calls=types.SimpleNamespace(close=lambda: order.append("cpu queue"),
+                                                       drain=lambda: order.append("cpu queue drained")))
+        return g
+
+    group = family_member("own", ["intra", "inter", "own"])
+    group.__dict__.update(_intra=member("intra"), _inter=member("inter"))
     Group.close(group)
     # Each destroyed, then no longer released when its Group is dropped.
     assert order == ["cpu queue", "intra", "intra detached", "inter", "inter detached", "own",
                      "own detached", "cuda streams"]
+
+    # A sub-group closed alone, its family's other members open: the calls queued so far
+    # run, its communicator is destroyed, the worker and streams go on for the others.
+    order.clear()
+    Group.close(family_member("intra", ["intra", "inter", "own"]))
+    assert order == ["cpu queue drained", "intra", "intra detached"]
 
 
 def test_debug_check_is_skipped_while_capturing(monkeypatch):
