@@ -181,13 +181,15 @@ class Group:
         destroys them in the same order). Destroying an NCCL communicator first lets its
         queued GPU work finish, within the group's timeout (past it, or after an error, the
         communicator is aborted instead). The worker thread and CUDA streams it shares with
-        its family stop with the family's last open member (a sub-group closed alone leaves
-        its parent working): the host then waits for the streams and the tensors of calls
-        never waited are released. Collective: every member calls it, in the same order
+        its family stop with the family's last open member (a kept sub-group closed alone
+        leaves its sibling working; a parent's calls that go through it then raise): the
+        host then waits for the streams and the tensors of calls never waited are released. Collective: every member calls it, in the same order
         relative to other groups. The Group cannot be used afterwards."""
         if self._closed:
             return
         closing = [g for g in (self._intra, self._inter, self) if g is not None and not g._closed]
+        for g in closing:  # refuses new calls from here on (communicator())
+            g._closed = True
         # The family's last open member stops its worker; otherwise the worker runs on for
         # the others once the calls queued so far (this Group's among them) have run.
         last = any([self._family.leave(g._member) for g in closing])
@@ -197,23 +199,21 @@ class Group:
             self._calls.drain()
         try:
             for g in closing:
-                if not g._closed:
-                    g._closed = True
-                    g._cpu_workspace = None  # the memory kept for the next call
-                    release = getattr(g._transport, "release_buffers", None)
-                    if release is not None:
-                        release()
-                    if g._nccl_comm is not None:
-                        from ._nccl import destroy_communicator
+                g._cpu_workspace = None  # the memory kept for the next call
+                release = getattr(g._transport, "release_buffers", None)
+                if release is not None:
+                    release()
+                if g._nccl_comm is not None:
+                    from ._nccl import destroy_communicator
 
-                        destroy_communicator(g._nccl_comm)
-                        # Only now: had destroy raised, the finalizer would release it.
-                        g._nccl_comm = None
-                        g._nccl_release.detach()
-                    for attr in ("_gather_pg", "_owned_pg"):
-                        if getattr(g, attr) is not None:
-                            dist.destroy_process_group(getattr(g, attr))
-                            setattr(g, attr, None)
+                    destroy_communicator(g._nccl_comm)
+                    # Only now: had destroy raised, the finalizer would release it.
+                    g._nccl_comm = None
+                    g._nccl_release.detach()
+                for attr in ("_gather_pg", "_owned_pg"):
+                    if getattr(g, attr) is not None:
+                        dist.destroy_process_group(getattr(g, attr))
+                        setattr(g, attr, None)
         finally:
             # Only now, with the communicators' GPU work finished or aborted: the host waits
             # for the family's streams, then the memory of un-waited calls is dropped.

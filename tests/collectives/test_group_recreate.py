@@ -128,7 +128,7 @@ def _kept_sub_group_worker(rank, world):
     del g, work
     intra.close()
     workers = (inter._calls, other._calls)
-    assert not workers[0]._closed
+    assert intra._owned_pg is None and not workers[0]._closed  # its own ProcessGroups destroyed
     _check_round(inter, inter.global_ranks, 1, ("after its sibling was closed", 0))
     del other  # the last of its family: its worker stops, the other family's goes on
     gc.collect()

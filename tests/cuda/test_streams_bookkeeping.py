@@ -398,10 +398,16 @@ def test_group_close_destroys_communicators_before_releasing_cuda_calls(monkeypa
                                      _nccl_release=types.SimpleNamespace(
                                          detach=lambda: order.append(f"{name} detached")))
 
+    def leave(open_members, m):  # _Family.leave: whether m was the last open member
+        if m not in open_members:
+            return False
+        open_members.remove(m)
+        return not open_members
+
     def family_member(name, open_members):
         g = member(name)
         g.__dict__.update(_intra=None, _inter=None, _cuda=Calls(),
-                          _family=types.SimpleNamespace(leave=lambda m: open_members.remove(m) or not open_members),
+                          _family=types.SimpleNamespace(leave=lambda m: leave(open_members, m)),
                           _calls=types.SimpleNamespace(close=lambda: order.append("cpu queue"),
                                                        drain=lambda: order.append("cpu queue drained")))
         return g
@@ -416,8 +422,16 @@ def test_group_close_destroys_communicators_before_releasing_cuda_calls(monkeypa
     # A sub-group closed alone, its family's other members open: the calls queued so far
     # run, its communicator is destroyed, the worker and streams go on for the others.
     order.clear()
-    Group.close(family_member("intra", ["intra", "inter", "own"]))
-    assert order == ["cpu queue drained", "intra", "intra detached"]
+    open_members = ["intra", "inter", "own"]
+    intra = family_member("intra", open_members)
+    Group.close(intra)
+    assert order == ["cpu queue drained", "intra", "intra detached"] and intra._closed
+    # Then the parent: it closes the rest, and as the last open member stops the family.
+    order.clear()
+    group = family_member("own", open_members)
+    group.__dict__.update(_intra=intra, _inter=member("inter"))
+    Group.close(group)
+    assert order == ["cpu queue", "inter", "inter detached", "own", "own detached", "cuda streams"]
 
 
 def test_debug_check_is_skipped_while_capturing(monkeypatch):

@@ -195,13 +195,16 @@ class CallQueue:
         if self._on_worker():
             return
         with self._lock:
-            running = self._thread is not None and not self._closed
+            thread = self._thread
+            running = thread is not None and not self._closed
             if running:
                 done: Future = Future()
                 self._pending += 1
                 self._tasks.put((done, lambda: None, "drain", None))
         if running:
             done.result()
+        elif thread is not None:  # closed (by another thread): the queued calls end with it
+            thread.join()
 
     def close(self) -> None:
         """Run what is queued, then stop the thread."""
