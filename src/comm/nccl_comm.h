@@ -56,7 +56,6 @@ class NcclCommunicator final : public Communicator {
   // error, a hang, or at interpreter exit); it cannot be used afterwards. A destroy() still
   // waiting on another thread (for the peers' finalize) stops waiting and aborts.
   void abort();
-  bool alive() const { return comm_ != nullptr && !failed_; }
   // Why the watchdog aborted the communicator; "" while it is usable.
   std::string error() const;
   // Operations enqueued under the watchdog so far (not those captured into a CUDA graph),

@@ -115,7 +115,6 @@ void bind_collectives(py::module_& m) {
       .def_property_readonly("error", &qcoll::NcclCommunicator::error)
       .def_property_readonly("device", &qcoll::NcclCommunicator::device)
       .def_property_readonly("nccl_version", &qcoll::NcclCommunicator::nccl_version)
-      .def_property_readonly("alive", &qcoll::NcclCommunicator::alive)
       .def_property_readonly("ops_enqueued", &qcoll::NcclCommunicator::ops_enqueued)
       .def_property_readonly("failed_op", &qcoll::NcclCommunicator::failed_op)
       // Both may wait on NCCL (destroy for the node's other members): release the GIL.
