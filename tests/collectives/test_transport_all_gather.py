@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import qcoll
 from qcoll import _torch_transport as tt
@@ -383,7 +384,20 @@ def _dies_in_the_gather(rank, world, how, numel, path):
     else:
         raise AssertionError(f"rank {rank}: the all-gather returned although rank {world - 1} is gone")
     time.sleep(0.2)
-    return elapsed, msg, _threads() - threads
+    leaked = _threads() - threads
+    _wait_for_the_other_survivors(world)
+    return elapsed, msg, leaked
+
+
+def _wait_for_the_other_survivors(world) -> None:
+    """Keep this process, and its connections, until every surviving rank has raised: on the
+    ring a survivor waits on another one, which, gone sooner, would show it "Connection
+    closed by peer" before its own timeout (run_ranks skips the final barrier here)."""
+    store, key = dist.distributed_c10d._get_default_store(), "survivors raised"
+    store.add(key, 1)
+    deadline = time.monotonic() + 2 * (TIMEOUT + SLACK)
+    while store.add(key, 0) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("path,world,numel", [("all_to_all", 3, 4096),
