@@ -105,11 +105,12 @@ def destroy_communicator(comm) -> None:
 
 
 def release_communicator(comm) -> None:
-    """A dropped Group's communicator, from its finalizer: queued for the release thread, which destroys each on a daemon thread of its own, so the thread
-    that dropped the Group (the garbage collector's, perhaps) never waits and starts no
-    thread. A finalize meets the other members' as they drop theirs; past the timeout (a
-    member that keeps its Group, or died), it aborts. Concurrent, not in sequence: the
-    ranks' drops need no common order."""
+    """A dropped Group's communicator, from its finalizer: queued for the release thread,
+    which destroys each on a daemon thread of its own, so the thread that dropped the Group
+    (the garbage collector's, perhaps) never waits and starts no thread. A finalize meets
+    the other members' as they drop theirs; past the timeout (a member that keeps its
+    Group, or died), it aborts. Concurrent, not in sequence: the ranks' drops need no
+    common order."""
     _to_release.put(comm)
 
 

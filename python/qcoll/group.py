@@ -183,8 +183,9 @@ class Group:
         communicator is aborted instead). The worker thread and CUDA streams it shares with
         its family stop with the family's last open member (a kept sub-group closed alone
         leaves its sibling working; a parent's calls that go through it then raise): the
-        host then waits for the streams and the tensors of calls never waited are released. Collective: every member calls it, in the same order
-        relative to other groups. The Group cannot be used afterwards."""
+        host then waits for the streams and the tensors of calls never waited are released.
+        Collective: every member calls it, in the same order relative to other groups. The
+        Group cannot be used afterwards."""
         if self._closed:
             return
         closing = [g for g in (self._intra, self._inter, self) if g is not None and not g._closed]

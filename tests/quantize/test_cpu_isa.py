@@ -1,8 +1,8 @@
 """The CPU kernels' ISA paths (baseline, avx2, avx512; src/cpu/isa.h) give the same bytes.
 
 Each path the CPU has is forced in turn and compared bit for bit with the baseline path on
-quantize (every format, symmetric and not, nearest and stochastic, Hadamard of every size), dequantize and
-the wire encode; the inputs include values a few ulps from rounding ties, where the
+quantize (every format, symmetric and not, nearest and stochastic, Hadamard of every size),
+dequantize and the wire encode; the inputs include values a few ulps from rounding ties, where the
 reciprocal fast path must hand over to division (checked against torch's own division).
 fp8 decodes by its bit assembly on the AVX-512 path and by a table on the others: every
 E4M3 byte is checked on every path against torch's float8_e4m3fn."""
