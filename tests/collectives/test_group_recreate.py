@@ -13,6 +13,7 @@ import threading
 import weakref
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -153,8 +154,9 @@ def test_world_groups_are_recreated_after_destroy():
     assert run_ranks(4, _world_worker, env=HOSTS, timeout=150) == [ROUNDS] * 4
 
 
-def test_a_kept_sub_group_outlives_its_dropped_parent_until_destroy():
-    assert run_ranks(4, _kept_sub_group_worker, env=HOSTS, timeout=150) == [True] * 4
+@pytest.mark.parametrize("world", [4, 6], ids=["2x2", "3x2"])
+def test_a_kept_sub_group_outlives_its_dropped_parent_until_destroy(world):
+    assert run_ranks(world, _kept_sub_group_worker, env=HOSTS, timeout=150) == [True] * world
 
 
 def _fallback_worker(rank, world):
